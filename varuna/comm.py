@@ -1,0 +1,241 @@
+"""Point-to-point transfer of the values crossing a cut, with their shapes, and gradient buckets.
+
+A value at a cut is a tensor or a tuple of tensors whose shapes may change from step to step
+(variable sequence length), so every activation travels behind a small int64 header:
+
+    [is_tuple, n, dtype_0, ndim_0, d0, d1, ..., dtype_1, ndim_1, ...]   (HEADER_LEN slots)
+
+Gradients flow back with exactly the shapes of the activations sent, so they need no header and
+their receives are posted as soon as the activation leaves, overlapping with compute.
+
+Tags keep the streams apart: one pair of neighbouring ranks carries activations one way and
+gradients the other; within a stream messages match in order (FIFO), and the tag also carries
+the micro-batch index so a mismatch fails loudly instead of silently pairing wrong tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from varuna.errors import PartitionError
+
+__all__ = ["HEADER_LEN", "Value", "flatten_value", "encode_header", "decode_header", "P2P", "GradBuckets"]
+
+HEADER_LEN = 64
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+_SLOTS = 64  # tag = microbatch * _SLOTS + slot; slot 0 = header, 1.. activations, 32.. gradients
+
+Value = Any  # a tensor or a tuple of tensors
+
+
+def flatten_value(value: Value) -> tuple[list[torch.Tensor], bool]:
+    """The tensors of a cut value and whether it was a tuple."""
+    if isinstance(value, torch.Tensor):
+        return [value], False
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value), True
+    raise PartitionError(
+        f"a CutPoint received a {type(value).__name__}; pass a tensor or a tuple of tensors through "
+        "CutPoints (other values needed later must be computable from the batch on every stage)"
+    )
+
+
+def encode_header(tensors: list[torch.Tensor], is_tuple: bool) -> torch.Tensor:
+    fields = [int(is_tuple), len(tensors)]
+    for t in tensors:
+        if t.dtype not in _CODE:
+            raise PartitionError(f"cannot send a {t.dtype} tensor across a cut; supported: {_DTYPES}")
+        fields += [_CODE[t.dtype], t.dim(), *t.shape]
+    if len(fields) > HEADER_LEN:
+        raise PartitionError(
+            f"the value at a cut has too many tensors or dimensions to describe in {HEADER_LEN} slots "
+            f"({len(tensors)} tensors); pass fewer tensors through the CutPoint"
+        )
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> tuple[list[tuple[torch.dtype, tuple[int, ...]]], bool]:
+    fields = header.tolist()
+    is_tuple, n = bool(fields[0]), fields[1]
+    specs, pos = [], 2
+    for _ in range(n):
+        dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
+        shape = tuple(fields[pos + 2 : pos + 2 + ndim])
+        specs.append((dtype, shape))
+        pos += 2 + ndim
+    return specs, is_tuple
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point()
+
+
+@dataclass(slots=True)
+class _Pending:
+    work: Any
+    buffers: list[torch.Tensor]
+
+
+class P2P:
+    """Activations to the next stage and gradients to the previous one, non-blocking.
+
+    `idle_s` accumulates time spent waiting for a message that had not been sent yet (a bubble);
+    `comm_s` the time spent moving data once it was on its way.
+    """
+
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
+        self.prev = prev_rank
+        self.next = next_rank
+        self.device = device
+        self._headers: dict[int, _Pending] = {}
+        self._grads: dict[int, _Pending] = {}
+        self._sends: list[Any] = []
+        self.idle_s = 0.0
+        self.comm_s = 0.0
+        self.bytes_sent = 0
+
+    # activations -------------------------------------------------------------------------------
+    def post_activation_header(self, mb: int) -> None:
+        """Start receiving micro-batch `mb`'s header early, so waiting later costs nothing."""
+        assert self.prev is not None
+        buf = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._headers[mb] = _Pending(dist.irecv(buf, self.prev, tag=mb * _SLOTS), [buf])
+
+    def activation_ready(self, mb: int) -> bool:
+        pending = self._headers.get(mb)
+        return pending is not None and pending.work.is_completed()
+
+    def recv_activation(self, mb: int) -> Value:
+        if mb not in self._headers:
+            self.post_activation_header(mb)
+        pending = self._headers.pop(mb)
+        t0 = time.perf_counter()
+        pending.work.wait()
+        t1 = time.perf_counter()
+        specs, is_tuple = decode_header(pending.buffers[0])
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+        works = [dist.irecv(t, self.prev, tag=mb * _SLOTS + 1 + i) for i, t in enumerate(tensors)]
+        for w in works:
+            w.wait()
+        self.idle_s += t1 - t0
+        self.comm_s += time.perf_counter() - t1
+        for t in tensors:
+            if _floating(t):
+                t.requires_grad_()
+        return tuple(tensors) if is_tuple else tensors[0]
+
+    def send_activation(self, mb: int, value: Value) -> None:
+        """Send the value at this stage's end cut, and post the receives for its gradients."""
+        assert self.next is not None
+        tensors, is_tuple = flatten_value(value)
+        tensors = [t.detach().contiguous() for t in tensors]
+        header = encode_header(tensors, is_tuple)
+        t0 = time.perf_counter()
+        self._sends.append((dist.isend(header, self.next, tag=mb * _SLOTS), header))
+        for i, t in enumerate(tensors):
+            self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + 1 + i), t))
+            self.bytes_sent += t.numel() * t.element_size()
+        grads = [torch.empty_like(t) for t in tensors if _floating(t)]
+        works = [dist.irecv(g, self.next, tag=mb * _SLOTS + 32 + i) for i, g in enumerate(grads)]
+        self._grads[mb] = _Pending(works, grads)
+        self.comm_s += time.perf_counter() - t0
+
+    # gradients ---------------------------------------------------------------------------------
+    def grad_ready(self, mb: int) -> bool:
+        pending = self._grads.get(mb)
+        return pending is not None and all(w.is_completed() for w in pending.work)
+
+    def recv_grad(self, mb: int) -> list[torch.Tensor]:
+        pending = self._grads.pop(mb)
+        t0 = time.perf_counter()
+        for w in pending.work:
+            w.wait()
+        self.idle_s += time.perf_counter() - t0
+        return pending.buffers
+
+    def send_grad(self, mb: int, inputs: Value) -> None:
+        """Send the gradients of the floating tensors this stage received for `mb`."""
+        assert self.prev is not None
+        tensors, _ = flatten_value(inputs)
+        t0 = time.perf_counter()
+        for i, t in enumerate(x for x in tensors if _floating(x)):
+            g = t.grad if t.grad is not None else torch.zeros_like(t)
+            g = g.contiguous()
+            self._sends.append((dist.isend(g, self.prev, tag=mb * _SLOTS + 32 + i), g))
+            self.bytes_sent += g.numel() * g.element_size()
+        self.comm_s += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """Wait for every send of the step (their buffers must stay alive until then)."""
+        t0 = time.perf_counter()
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        self.comm_s += time.perf_counter() - t0
+
+
+class GradBuckets:
+    """Gradients as views into a few flat buffers, all-reduced (averaged) bucket by bucket.
+
+    Making `p.grad` a view of the bucket means backward accumulates straight into the buffer the
+    all-reduce sends: no copies in either direction.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = 25 * 2**20) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        bucket: list[torch.nn.Parameter] = []
+        size = 0
+        for p in self.params:
+            if bucket and (size + p.numel() * p.element_size() > bucket_bytes or p.dtype != bucket[0].dtype):
+                self._add_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+        if bucket:
+            self._add_bucket(bucket)
+
+    def _add_bucket(self, params: list[torch.nn.Parameter]) -> None:
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            self._views.append((p, flat[offset : offset + p.numel()].view_as(p)))
+            offset += p.numel()
+        self.buffers.append(flat)
+
+    def zero_and_attach(self) -> None:
+        """Zero the buffers and point every parameter's .grad at its view (undoing zero_grad(None))."""
+        for flat in self.buffers:
+            flat.zero_()
+        for p, view in self._views:
+            if p.grad is not view:
+                p.grad = view
+
+    def allreduce_mean(self, group: Any, world: int) -> list[Any]:
+        """Start the averaging all-reduce of every bucket; returns the works to wait for."""
+        works = []
+        for flat in self.buffers:
+            flat.div_(world)
+            works.append(dist.all_reduce(flat, group=group, async_op=True))
+        return works

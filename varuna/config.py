@@ -1,0 +1,87 @@
+"""The settings of a Varuna engine: one typed dataclass, validated where it is made."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from varuna.errors import ConfigError
+from varuna.precision import PRECISIONS
+from varuna.schedule import SCHEDULES
+
+__all__ = ["VarunaConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class VarunaConfig:
+    """How one training job is laid out and run."""
+
+    pipeline: int
+    """P: number of pipeline stages."""
+    data: int
+    """D: number of data-parallel replicas of the pipeline."""
+    global_batch_size: int
+    """Samples per optimizer step over all replicas; stays fixed when P x D changes."""
+    micro_batch_size: int
+    """Samples per micro-batch; each replica runs global_batch_size / (data * micro_batch_size) of them."""
+    schedule: Literal["gpipe", "1f1b", "varuna"] = "1f1b"
+    """Order of forward/backward work on each stage (see varuna.schedule)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32, or autocast to bf16 or fp16 (fp16 adds a loss scaler agreed over all ranks)."""
+    shared_weights: Sequence[Sequence[str]] = ()
+    """Groups of parameter names that are one weight (gradients summed, values kept equal)."""
+    partition: Literal["balanced", "uniform"] | Sequence[int] = "balanced"
+    """'balanced' by measured time per segment, 'uniform' by parameter count, or P-1 CutPoint indices."""
+    recompute: bool | None = None
+    """Recompute forward just before backward on non-last stages; default: only for 'varuna'."""
+    clip_grad_norm: float | None = None
+    """Clip gradients by their global norm over all stages (None: no clipping)."""
+    run_dir: Path | None = None
+    """Where caches, logs and checkpoints go; None keeps nothing on disk."""
+    bucket_mb: float = 25.0
+    """Size of the data-parallel all-reduce buckets."""
+    init_loss_scale: float = 2.0**16
+    """First fp16 loss scale."""
+    profile_repeats: int = 3
+    """Measured repetitions of the start-up segment profile."""
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline", "data", "global_batch_size", "micro_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        per_step = self.data * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by data x micro_batch_size = "
+                f"{self.data} x {self.micro_batch_size} = {per_step}; choose a global batch that is a multiple "
+                f"of {per_step} (e.g. {max(per_step, self.global_batch_size // per_step * per_step)}) or "
+                "another micro_batch_size"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is not one of {PRECISIONS}")
+        if isinstance(self.partition, str):
+            if self.partition not in ("balanced", "uniform"):
+                raise ConfigError(
+                    f"partition={self.partition!r}: use 'balanced', 'uniform' or a list of P-1 CutPoint indices"
+                )
+        elif not all(isinstance(b, int) for b in self.partition):
+            raise ConfigError(f"partition={list(self.partition)!r} must be a list of integer CutPoint indices")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
+        if self.run_dir is not None:
+            self.run_dir = Path(self.run_dir)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches each replica runs per step."""
+        return self.global_batch_size // (self.data * self.micro_batch_size)
+
+    @property
+    def uses_recompute(self) -> bool:
+        return self.schedule == "varuna" if self.recompute is None else self.recompute
