@@ -71,7 +71,9 @@ class VarunaConfig:
                     f"partition={self.partition!r}: use 'balanced', 'uniform' or a list of P-1 CutPoint indices"
                 )
         elif not all(isinstance(b, int) for b in self.partition):
-            raise ConfigError(f"partition={list(self.partition)!r} must be a list of integer CutPoint indices")
+            raise ConfigError(
+                f"partition={list(self.partition)!r} must be a list of integer CutPoint indices"
+            )
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
         if self.run_dir is not None:

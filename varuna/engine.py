@@ -141,7 +141,8 @@ class Varuna:
         next_rank = self.rank + 1 if self.stage < P - 1 else None
         self._p2p = P2P(prev_rank, next_rank, self.device)
         names = cut_names(model)
-        index_of = {mid: self.trace.cut_names.index(name) for mid, name in names.items()}
+        position = {name: i for i, name in enumerate(self.trace.cut_names)}
+        index_of = {mid: position.get(name, -1) for mid, name in names.items()}
         self._runtime = StageRuntime(
             model,
             stage=self.stage,
@@ -192,7 +193,11 @@ class Varuna:
         if boundaries is None and cfg.partition == "balanced" and cfg.pipeline > 1:
             costs = self._segment_costs(model, self._example(example_batch))
         return make_partition(
-            self.trace, cfg.pipeline, boundaries=boundaries, segment_costs=costs, shared_weights=cfg.shared_weights
+            self.trace,
+            cfg.pipeline,
+            boundaries=boundaries,
+            segment_costs=costs,
+            shared_weights=cfg.shared_weights,
         )
 
     def _segment_costs(self, model: nn.Module, micro: dict[str, Any]) -> list[float]:
@@ -236,7 +241,9 @@ class Varuna:
                 if p is None or canon[id(p)] in owned:
                     continue
                 if id(p) not in replaced:
-                    replaced[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                    replaced[id(p)] = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+                    )
                 module._parameters[pname] = replaced[id(p)]
 
         def visit(module: nn.Module) -> None:
@@ -345,7 +352,9 @@ class Varuna:
                 p.grad = None
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._works: list[Any] = []
-        losses, times = self._runtime.run(self.actions, micro, loss_coef=scale / M, allreduce=self._start_allreduce)
+        losses, times = self._runtime.run(
+            self.actions, micro, loss_coef=scale / M, allreduce=self._start_allreduce
+        )
         t_wait = time.perf_counter()
         for w in self._works:
             w.wait()
@@ -354,7 +363,8 @@ class Varuna:
         grads = [p.grad for _, p in self._params if p.grad is not None]
         sumsq = self._local_sumsq()
         flags = torch.tensor(
-            [float(sum(losses)) / M if losses else 0.0, sumsq, float(self._stop_requested)], dtype=torch.float64
+            [float(sum(losses)) / M if losses else 0.0, sumsq, float(self._stop_requested)],
+            dtype=torch.float64,
         )
         if self.world_size > 1:
             dist.all_reduce(flags)
@@ -405,7 +415,13 @@ class Varuna:
         self._tied_sums = []
         for _, pg, members in self._tied_local:
             grads = [p.grad for p in members if p.grad is not None]
-            total = torch.zeros_like(members[0]) if not grads else torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+            total = (
+                torch.zeros_like(members[0])
+                if not grads
+                else torch.stack(grads).sum(0)
+                if len(grads) > 1
+                else grads[0].clone()
+            )
             if pg is not None:
                 total.div_(self.config.data)
                 self._works.append(dist.all_reduce(total, group=pg, async_op=True))

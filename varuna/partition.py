@@ -98,7 +98,9 @@ class Partition:
             cost = ""
             if self.segment_costs is not None:
                 cost = f", {sum(self.segment_costs[j] for j in segs) * 1e3:.1f} ms fwd+bwd"
-            rows.append(f"stage {s}: segments {segs.start}-{segs.stop - 1}, {len(self.stage_params[s])} tensors{cost}")
+            rows.append(
+                f"stage {s}: segments {segs.start}-{segs.stop - 1}, {len(self.stage_params[s])} tensors{cost}"
+            )
         return "\n".join(rows)
 
 
@@ -131,7 +133,9 @@ class _Recorder(TorchFunctionMode):
                 self.used.setdefault(name, set()).add(self.segment)
         if any(a.is_meta for a in leaves) and not all(a.is_meta for a in leaves):
             # A model built on the meta device: follow shapes only.
-            args, kwargs = tree_map(lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a, (args, kwargs))
+            args, kwargs = tree_map(
+                lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a, (args, kwargs)
+            )
         return func(*args, **kwargs)
 
 
@@ -174,7 +178,9 @@ def trace_model(model: nn.Module, batch: Mapping[str, Any]) -> Trace:
             f"(called: {cuts.order}); call every CutPoint once per forward, or remove the unused ones."
         )
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return Trace(cut_names=cuts.order, param_segments=recorder.used, param_aliases=aliases, param_shapes=shapes)
+    return Trace(
+        cut_names=cuts.order, param_segments=recorder.used, param_aliases=aliases, param_shapes=shapes
+    )
 
 
 class _TimeCuts:
@@ -245,16 +251,21 @@ def balance(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[p][i]: smallest max-stage cost splitting the first i segments into p stages.
+    inf = (float("inf"), float("inf"))
+    # best[p][i]: (largest stage cost, sum of squared stage costs) splitting the first i segments
+    # into p stages; the second term breaks ties towards evenly loaded remaining stages.
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for p in range(1, num_stages + 1):
         for i in range(p, n - (num_stages - p) + 1):
             for j in range(p - 1, i):
-                value = max(best[p - 1][j], prefix[i] - prefix[j])
-                if value < best[p][i] - 1e-12:
+                part = prefix[i] - prefix[j]
+                prev = best[p - 1][j]
+                value = (max(prev[0], part), prev[1] + part * part)
+                if value[0] < best[p][i][0] - 1e-12 or (
+                    abs(value[0] - best[p][i][0]) <= 1e-12 and value[1] < best[p][i][1] - 1e-12
+                ):
                     best[p][i] = value
                     choice[p][i] = j
     cuts = []
@@ -279,9 +290,7 @@ def _check_boundaries(boundaries: Sequence[int], num_stages: int, num_cuts: int)
     return bounds
 
 
-def _resolve_shared(
-    shared_weights: Sequence[Sequence[str]], trace: Trace
-) -> list[tuple[str, ...]]:
+def _resolve_shared(shared_weights: Sequence[Sequence[str]], trace: Trace) -> list[tuple[str, ...]]:
     canon_of = {alias: canon for canon, names in trace.param_aliases.items() for alias in names}
     groups = []
     for group in shared_weights:

@@ -57,7 +57,9 @@ class StepTimes:
 class _StageCuts:
     """Decides what each CutPoint returns while this stage runs the user's forward."""
 
-    def __init__(self, index_of: Mapping[int, int], start: int | None, end: int | None, names: list[str]) -> None:
+    def __init__(
+        self, index_of: Mapping[int, int], start: int | None, end: int | None, names: list[str]
+    ) -> None:
         self.index_of = index_of
         self.start = start
         self.end = end

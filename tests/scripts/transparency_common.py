@@ -1,0 +1,65 @@
+"""What the transparency tests train, shared by the worker jobs and the single-process reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from varuna.data import SyntheticLM, SyntheticMLM, collate, global_indices
+from varuna.models import GPT, BertMLM, bert_tiny, gpt_tiny
+
+STEPS = 5
+GLOBAL_BATCH = 16
+MICRO_BATCH = 2
+SCHEDULES = ("gpipe", "1f1b", "varuna")
+MODELS = ("gpt", "bert")
+# world size -> (P, D, partition); 3x1 uses an explicit uneven split of the 4 segments.
+CONFIGS: dict[int, list[tuple[int, int, Any]]] = {
+    1: [(1, 1, "balanced")],
+    2: [(2, 1, "balanced"), (1, 2, "balanced")],
+    3: [(3, 1, [0, 1])],
+    4: [(2, 2, "balanced"), (4, 1, "balanced")],
+}
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(1234)
+    return GPT(gpt_tiny()) if kind == "gpt" else BertMLM(bert_tiny())
+
+
+def dataset(kind: str) -> Any:
+    if kind == "gpt":
+        cfg = gpt_tiny()
+        return SyntheticLM(cfg.vocab_size, cfg.seq_len, 256, seed=7)
+    bcfg = bert_tiny()
+    return SyntheticMLM(bcfg.vocab_size, bcfg.seq_len, 256, seed=7)
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def varlen(batch: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """Step k's batch cut to a sequence length that changes from step to step."""
+    length = 6 + 2 * step
+    return {k: v[:, :length] for k, v in batch.items()}
+
+
+def reference(kind: str, transform: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process training on the same global batches."""
+    model = build(kind)
+    data = dataset(kind)
+    opt = optimizer(model.parameters())
+    losses = []
+    for k in range(STEPS):
+        batch = collate([data[i] for i in global_indices(k, GLOBAL_BATCH, len(data))])
+        if transform is not None:
+            batch = transform(batch, k)
+        loss = model(**batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

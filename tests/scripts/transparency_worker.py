@@ -1,0 +1,105 @@
+"""Trains every (P x D, model, schedule) of one world size; saves losses and parameters per rank.
+
+Run as `varuna run --pipeline W --data 1 tests/scripts/transparency_worker.py OUT W`: one job
+serves every P x D with P * D == W, so the suite starts processes once per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transparency_common import (  # noqa: E402
+    CONFIGS,
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    MODELS,
+    SCHEDULES,
+    STEPS,
+    build,
+    dataset,
+    optimizer,
+    varlen,
+)
+
+from varuna import Varuna  # noqa: E402
+from varuna.data import collate  # noqa: E402
+
+out, world = Path(sys.argv[1]), int(sys.argv[2])
+
+
+def engine_for(kind: str, P: int, D: int, **kw: object) -> tuple[Varuna, object]:
+    data = dataset(kind)
+    engine = Varuna(
+        build(kind),
+        pipeline=P,
+        data=D,
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=MICRO_BATCH,
+        example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
+        **kw,  # type: ignore[arg-type]
+    )
+    return engine, data
+
+
+for P, D, partition in CONFIGS[world]:
+    for kind in MODELS:
+        for schedule in SCHEDULES:
+            engine, data = engine_for(kind, P, D, schedule=schedule, partition=partition)
+            engine.set_optimizer(optimizer(engine.parameters()))
+            losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
+            tag = out / f"{kind}-{P}x{D}-{schedule}"
+            tag.mkdir(parents=True, exist_ok=True)
+            params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+            in_memory = sorted(n for n, p in engine.model.named_parameters() if not p.is_meta)
+            torch.save(
+                {
+                    "losses": losses,
+                    "params": params,
+                    "boundaries": engine.partition.boundaries,
+                    "in_memory": in_memory,
+                },
+                tag / f"rank{engine.rank}.pt",
+            )
+            engine.close()
+
+if world == 2:
+    # Activations whose shape changes every step (the sequence length grows).
+    engine, data = engine_for("gpt", 2, 1, schedule="varuna")
+    engine.set_optimizer(optimizer(engine.parameters()))
+    losses = [engine.step(varlen(engine.batch(data, k), k)) for k in range(STEPS)]
+    params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    torch.save({"losses": losses, "params": params}, out / f"varlen-rank{engine.rank}.pt")
+    engine.close()
+
+if world == 4:
+    # Mixed precision at 2x2: bf16 and fp16 train; a provoked fp16 overflow skips everywhere.
+    for precision in ("bf16", "fp16"):
+        engine, data = engine_for("gpt", 2, 2, schedule="1f1b", precision=precision)
+        engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=3e-3))
+        losses = [engine.step(engine.batch(data, k % 4)) for k in range(12)]
+        result: dict[str, object] = {"losses": losses}
+        if precision == "fp16":
+            assert engine.scaler is not None
+            before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+            scale = engine.scaler.scale
+            if engine.rank == 3:  # provoke on one rank only: the decision must still be global
+                engine.scaler.scale = 2.0**120
+            engine.step(engine.batch(data, 0))
+            after = dict(engine.named_parameters())
+            result |= {
+                "skipped": engine.last_step_skipped,
+                "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+                "scale_before": scale,
+                "scale_after": engine.scaler.scale,
+            }
+            engine.scaler.scale = scale * engine.scaler.backoff_factor  # rank 3 rejoins the others
+            engine.step(engine.batch(data, 1))
+            result["next_skipped"] = engine.last_step_skipped
+        (out / f"{precision}-rank{engine.rank}.json").write_text(json.dumps(result))
+        engine.close()
+print("transparency worker done", flush=True)

@@ -1,0 +1,155 @@
+"""The engine's acceptance test: pipeline x data-parallel training equals plain training.
+
+For a GPT-like model (tied embeddings, causal mask) and a BERT-like MLM encoder (padding mask
+used by every stage), at every P x D in {1x1, 2x1, 1x2, 2x2, 4x1, 3x1 uneven} and with each
+schedule, the 5 step losses and the final parameters match single-process training on the same
+global batches within 1e-5 relative (fp32). One `varuna run` job per world size trains them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from transparency_common import CONFIGS, MODELS, SCHEDULES, reference, varlen  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """One job per world size, all started at once (they oversubscribe the cores, but overlap)."""
+    base = tmp_path_factory.mktemp("transparency")
+    cwd = base / "cwd"
+    cwd.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = {}
+    for world in CONFIGS:
+        out = base / f"w{world}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "varuna",
+            "run",
+            "--pipeline",
+            str(world),
+            "--data",
+            "1",
+            "--run-dir",
+            str(base / f"run{world}"),
+            str(SCRIPTS / "transparency_worker.py"),
+            str(out),
+            str(world),
+        ]
+        log = open(base / f"w{world}.log", "w")
+        procs[world] = (
+            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd),
+            out,
+            log,
+        )
+    outs = {}
+    for world, (proc, out, log) in procs.items():
+        try:
+            code = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "timeout"
+        log.close()
+        text = (base / f"w{world}.log").read_text()
+        assert code == 0, f"world {world} job failed ({code}):\n{text[-6000:]}"
+        outs[world] = out
+    # nothing is written to the working directory: caches and logs live in the run directory
+    assert list(cwd.iterdir()) == []
+    assert list((base / "run2").glob("cache/segments-*.json"))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    torch.set_num_threads(1)
+    return {kind: reference(kind) for kind in MODELS}
+
+
+CASES = [
+    (world, P, D, kind, schedule)
+    for world, configs in CONFIGS.items()
+    for (P, D, _) in configs
+    for kind in MODELS
+    for schedule in SCHEDULES
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "P", "D", "kind", "schedule"), CASES, ids=[f"{k}-{P}x{D}-{s}" for _, P, D, k, s in CASES]
+)
+def test_equals_plain_training(runs, references, world, P, D, kind, schedule) -> None:
+    ref_losses, ref_params = references[kind]
+    folder = runs[world] / f"{kind}-{P}x{D}-{schedule}"
+    results = [torch.load(f, weights_only=True) for f in sorted(folder.glob("rank*.pt"))]
+    assert len(results) == world
+    for r in results:  # every rank reports the same global mean loss
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    seen: dict[str, int] = {}
+    for r in results:
+        for name, value in r["params"].items():
+            torch.testing.assert_close(
+                value, ref_params[name], rtol=RTOL, atol=1e-7, msg=lambda m: f"{name}: {m}"
+            )
+            seen[name] = seen.get(name, 0) + 1
+    # every parameter is held by some rank: D copies, more for weights tied across stages
+    assert set(seen) == set(ref_params)
+    assert min(seen.values()) >= D
+    for r in results:  # and a rank keeps no other stage's parameters in memory (they are meta)
+        assert r["in_memory"] == sorted(r["params"])
+
+
+def test_variable_sequence_length(runs) -> None:
+    ref_losses, ref_params = reference("gpt", transform=varlen)
+    for f in sorted(runs[2].glob("varlen-rank*.pt")):
+        r = torch.load(f, weights_only=True)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=1e-7)
+
+
+def test_uneven_split_is_uneven(runs) -> None:
+    r = torch.load(runs[3] / "gpt-3x1-1f1b" / "rank0.pt", weights_only=True)
+    assert tuple(r["boundaries"]) == (0, 1)  # stages of 1, 1 and 2 segments
+
+
+def test_tied_embedding_lives_on_first_and_last_stage(runs) -> None:
+    folder = runs[4] / "gpt-4x1-1f1b"
+    held = {int(f.stem[4:]): set(torch.load(f, weights_only=True)["params"]) for f in folder.glob("rank*.pt")}
+    assert "wte.weight" in held[0] and "wte.weight" in held[3]
+    assert "wte.weight" not in held[1] and "wte.weight" not in held[2]
+    # no rank holds another stage's blocks
+    assert not held[0] & held[1] and not held[1] & held[2]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(runs, precision) -> None:
+    results = [json.loads(f.read_text()) for f in sorted(runs[4].glob(f"{precision}-rank*.json"))]
+    assert len(results) == 4
+    losses = results[0]["losses"]
+    assert all(r["losses"] == losses for r in results)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank(runs) -> None:
+    results = [json.loads(f.read_text()) for f in sorted(runs[4].glob("fp16-rank*.json"))]
+    assert len(results) == 4
+    for r in results:
+        assert r["skipped"] is True and r["unchanged"] is True
+        assert r["next_skipped"] is False
+    # every rank that had the common scale halved it
+    assert sum(r["scale_after"] == r["scale_before"] / 2 for r in results) == 3
