@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from transparency_common import CONFIGS, MODELS, SCHEDULES, reference, varlen  # noqa: E402
+from transparency_common import CLIP, CONFIGS, MODELS, SCHEDULES, reference, varlen  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 RTOL = 1e-5
@@ -113,13 +113,34 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
         assert r["in_memory"] == sorted(r["params"])
 
 
-def test_variable_sequence_length(runs) -> None:
-    ref_losses, ref_params = reference("gpt", transform=varlen)
-    for f in sorted(runs[2].glob("varlen-rank*.pt")):
+def _check_against(
+    folder: Path,
+    pattern: str,
+    ref: tuple[list[float], dict[str, torch.Tensor]],
+    ranks: int,
+    rename: dict[str, str] | None = None,
+) -> None:
+    ref_losses, ref_params = ref
+    files = sorted(folder.glob(pattern))
+    assert len(files) == ranks
+    for f in files:
         r = torch.load(f, weights_only=True)
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
         for name, value in r["params"].items():
-            torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=1e-7)
+            expected = ref_params[(rename or {}).get(name, name)]
+            torch.testing.assert_close(value, expected, rtol=RTOL, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_variable_sequence_length(runs) -> None:
+    _check_against(runs[2], "varlen-rank*.pt", reference("gpt", transform=varlen), 2)
+
+
+def test_shared_weights_train_like_a_tied_model(runs) -> None:
+    _check_against(runs[2], "shared-rank*.pt", reference("gpt"), 2, rename={"lm_head.weight": "wte.weight"})
+
+
+def test_clipping_by_the_global_norm(runs) -> None:
+    _check_against(runs[4], "clip-rank*.pt", reference("gpt", clip=CLIP), 4)
 
 
 def test_uneven_split_is_uneven(runs) -> None:

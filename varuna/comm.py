@@ -118,7 +118,7 @@ class P2P:
     def post_activation_header(self, mb: int) -> None:
         """Start receiving micro-batch `mb`'s header early, so waiting later costs nothing."""
         assert self.prev is not None
-        buf = torch.empty(HEADER_LEN, dtype=torch.int64)
+        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._headers[mb] = _Pending(dist.irecv(buf, self.prev, tag=mb * _SLOTS), [buf])
 
     def activation_ready(self, mb: int) -> bool:
@@ -149,7 +149,7 @@ class P2P:
         assert self.next is not None
         tensors, is_tuple = flatten_value(value)
         tensors = [t.detach().contiguous() for t in tensors]
-        header = encode_header(tensors, is_tuple)
+        header = encode_header(tensors, is_tuple).to(self.device)
         t0 = time.perf_counter()
         self._sends.append((dist.isend(header, self.next, tag=mb * _SLOTS), header))
         for i, t in enumerate(tensors):

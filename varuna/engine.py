@@ -45,8 +45,22 @@ def _skip_forward(*args: Any, **kwargs: Any) -> Any:
     return SKIPPED
 
 
-def _slice_batch(batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
-    return {k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def _device() -> torch.device:
+    """The device seam: the rank's CUDA device under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _slice_batch(
+    batch: Mapping[str, Any], start: int, stop: int, device: torch.device | None = None
+) -> dict[str, Any]:
+    return {
+        k: (v[start:stop] if device is None else v[start:stop].to(device, non_blocking=True))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in batch.items()
+    }
 
 
 def _batch_len(batch: Mapping[str, Any]) -> int:
@@ -108,7 +122,7 @@ class Varuna:
             )
         self.stage, self.replica = vdist.placement(self.rank, P)
         self.where = f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
-        self.device = torch.device("cpu")
+        self.device = _device()
         self.autocast = autocast_policy(cfg.precision, self.device.type)
         self.scaler = LossScaler(cfg.init_loss_scale) if cfg.precision == "fp16" else None
         self.model = model
@@ -117,6 +131,7 @@ class Varuna:
         self.partition = self._partition(model, example_batch)
         owned = set(self.partition.stage_params[self.stage])
         self._strip(model, owned)
+        self._to_device(model)
         self._params = self._owned_parameters(model, owned)
         self._make_groups()
         self._broadcast_initial_values()
@@ -261,6 +276,14 @@ class Varuna:
         for child in model.children():
             visit(child)
 
+    def _to_device(self, model: nn.Module) -> None:
+        if self.device.type == "cpu":
+            return
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                if not t.is_meta:
+                    t.data = t.data.to(self.device)
+
     def _owned_parameters(self, model: nn.Module, owned: set[str]) -> list[tuple[str, nn.Parameter]]:
         out, seen = [], set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -345,7 +368,7 @@ class Varuna:
                 "use engine.batch(dataset, step) or slice varuna.data.sample_indices(...)"
             )
         mbs, M = cfg.micro_batch_size, cfg.num_microbatches
-        micro = [_slice_batch(batch, i * mbs, (i + 1) * mbs) for i in range(M)]
+        micro = [_slice_batch(batch, i * mbs, (i + 1) * mbs, self.device) for i in range(M)]
         self._buckets.zero_and_attach()
         for _, _, members in self._tied_local:
             for p in members:

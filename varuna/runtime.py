@@ -77,6 +77,19 @@ class _StageCuts:
         return value
 
 
+def _rng_state(device: torch.device) -> Any:
+    """What dropout in a recomputed forward must replay: the CPU generator, and the device's."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: Any) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
 def _fresh(value: Any) -> Any:
     """A detached copy of a received value whose floating tensors require grad again."""
     tensors, is_tuple = flatten_value(value)
@@ -129,7 +142,7 @@ class StageRuntime:
         self.allreduce = allreduce
         self.inputs: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
-        self.rng: dict[int, torch.Tensor] = {}
+        self.rng: dict[int, Any] = {}
         self.grads: dict[int, list[torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
         self.times = StepTimes()
@@ -190,7 +203,7 @@ class StageRuntime:
     def _do_F(self, m: int) -> None:
         grad = not self.recompute
         if self.recompute:
-            self.rng[m] = torch.get_rng_state()
+            self.rng[m] = _rng_state(self.p2p.device)
         result = self._forward(m, self.inputs.get(m), grad=grad)
         if self.last:
             self.outputs[m] = result
@@ -207,8 +220,9 @@ class StageRuntime:
         inputs = self.inputs.get(m)
         if inputs is not None:
             inputs = self.inputs[m] = _fresh(inputs)
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self.rng.pop(m))
+        device = self.p2p.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _set_rng_state(device, self.rng.pop(m))
             self.outputs[m] = self._forward(m, inputs, grad=True)
 
     def _do_RECV_B(self, m: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -26,6 +27,12 @@ CONFIGS: dict[int, list[tuple[int, int, Any]]] = {
 
 def build(kind: str) -> nn.Module:
     torch.manual_seed(1234)
+    if kind == "gpt-untied":  # the tied model's values plus a separate (random) head
+        tied = build("gpt")
+        untied = GPT(dataclasses.replace(gpt_tiny(), tie_embeddings=False))
+        missing, unexpected = untied.load_state_dict(tied.state_dict(), strict=False)
+        assert missing == ["lm_head.weight"] and not unexpected
+        return untied
     return GPT(gpt_tiny()) if kind == "gpt" else BertMLM(bert_tiny())
 
 
@@ -47,7 +54,12 @@ def varlen(batch: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]
     return {k: v[:, :length] for k, v in batch.items()}
 
 
-def reference(kind: str, transform: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+CLIP = 0.05
+
+
+def reference(
+    kind: str, transform: Any = None, clip: float | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process training on the same global batches."""
     model = build(kind)
     data = dataset(kind)
@@ -60,6 +72,8 @@ def reference(kind: str, transform: Any = None) -> tuple[list[float], dict[str, 
         loss = model(**batch)
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from transparency_common import (  # noqa: E402
+    CLIP,
     CONFIGS,
     GLOBAL_BATCH,
     MICRO_BATCH,
@@ -75,8 +76,31 @@ if world == 2:
     params = {n: p.detach().clone() for n, p in engine.named_parameters()}
     torch.save({"losses": losses, "params": params}, out / f"varlen-rank{engine.rank}.pt")
     engine.close()
+    # Two separate Parameters declared one weight: trains exactly like the tied model.
+    data = dataset("gpt")
+    engine = Varuna(
+        build("gpt-untied"),
+        pipeline=2,
+        data=1,
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=MICRO_BATCH,
+        example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
+        shared_weights=[("wte.weight", "lm_head.weight")],
+    )
+    engine.set_optimizer(optimizer(engine.parameters()))
+    losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
+    params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    torch.save({"losses": losses, "params": params}, out / f"shared-rank{engine.rank}.pt")
+    engine.close()
 
 if world == 4:
+    # Clipping by the global norm over all stages and replicas.
+    engine, data = engine_for("gpt", 2, 2, schedule="varuna", clip_grad_norm=CLIP)
+    engine.set_optimizer(optimizer(engine.parameters()))
+    losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
+    params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    torch.save({"losses": losses, "params": params}, out / f"clip-rank{engine.rank}.pt")
+    engine.close()
     # Mixed precision at 2x2: bf16 and fp16 train; a provoked fp16 overflow skips everywhere.
     for precision in ("bf16", "fp16"):
         engine, data = engine_for("gpt", 2, 2, schedule="1f1b", precision=precision)
