@@ -10,7 +10,14 @@ and replicating the pipeline for data parallelism.
 from varuna import data
 from varuna.cutpoint import CutPoint
 from varuna.engine import Varuna
-from varuna.errors import CheckpointError, ConfigError, LaunchError, PartitionError, ScheduleError, VarunaError
+from varuna.errors import (
+    CheckpointError,
+    ConfigError,
+    LaunchError,
+    PartitionError,
+    ScheduleError,
+    VarunaError,
+)
 from varuna.schedule import make_schedule
 
 __all__ = [
