@@ -4,21 +4,14 @@ and replicating the pipeline for data parallelism.
     import varuna
     engine = varuna.Varuna(model, global_batch_size=32, micro_batch_size=4, example_batch=batch)
 
-`import varuna` imports torch and nothing from Jupyter, ipywidgets or Plotly.
+`import varuna` imports torch and nothing from Jupyter, ipywidgets or Plotly. Names load lazily, so
+the `varuna` command line starts without importing torch until a command needs it.
 """
 
-from varuna import data
-from varuna.cutpoint import CutPoint
-from varuna.engine import Varuna
-from varuna.errors import (
-    CheckpointError,
-    ConfigError,
-    LaunchError,
-    PartitionError,
-    ScheduleError,
-    VarunaError,
-)
-from varuna.schedule import make_schedule
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "CutPoint",
@@ -33,3 +26,48 @@ __all__ = [
     "CheckpointError",
 ]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "CutPoint": "varuna.cutpoint",
+    "Varuna": "varuna.engine",
+    "make_schedule": "varuna.schedule",
+    **{
+        name: "varuna.errors"
+        for name in (
+            "VarunaError",
+            "ConfigError",
+            "PartitionError",
+            "ScheduleError",
+            "LaunchError",
+            "CheckpointError",
+        )
+    },
+}
+
+if TYPE_CHECKING:
+    from varuna import data
+    from varuna.cutpoint import CutPoint
+    from varuna.engine import Varuna
+    from varuna.errors import (
+        CheckpointError,
+        ConfigError,
+        LaunchError,
+        PartitionError,
+        ScheduleError,
+        VarunaError,
+    )
+    from varuna.schedule import make_schedule
+
+
+def __getattr__(name: str) -> Any:
+    if name == "data":
+        return importlib.import_module("varuna.data")
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'varuna' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
