@@ -43,11 +43,55 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument(
         "--timeout", type=float, metavar="S", help="stop the job after S seconds (exit code 124)"
     )
+    run.add_argument(
+        "--elastic",
+        action="store_true",
+        help="relaunch after morphs (varuna resize) and crashes, from the latest checkpoint",
+    )
+    run.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="with --elastic: crash restarts (default 3)"
+    )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as `python -m MODULE`")
     run.add_argument(
         "target", nargs=argparse.REMAINDER, metavar="script.py [args ...]", help="script and its args"
     )
+    resize = sub.add_parser(
+        "resize",
+        help="ask a running job to checkpoint and relaunch as a new P x D",
+        description="Queue a new shape for the job in RUN_DIR and signal it to morph at the end of its step.",
+    )
+    resize.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    resize.add_argument("--pipeline", "-p", type=int, metavar="P")
+    resize.add_argument("--data", "-d", type=int, metavar="D")
+    resize.add_argument(
+        "--gpus", type=int, metavar="N", help="choose P x D for N devices, keeping the global batch"
+    )
+    resize.add_argument("--no-signal", action="store_true", help="only queue the shape for the next morph")
     return parser, run
+
+
+def _resize(args: argparse.Namespace) -> int:
+    import json
+
+    from varuna.morph import choose_shape, request_resize
+
+    if args.gpus is not None:
+        if args.pipeline is not None or args.data is not None:
+            raise ConfigError("give either --gpus N or --pipeline P --data D, not both")
+        info_path = args.run_dir / "engine.json"
+        if not info_path.exists():
+            raise ConfigError(
+                f"{args.run_dir} has no engine.json yet (has the job started training?); give -p and -d"
+            )
+        shape = choose_shape(args.gpus, json.loads(info_path.read_text()))
+        pipeline, data = shape.pipeline, shape.data
+    elif args.pipeline is None or args.data is None:
+        raise ConfigError("resize needs --pipeline P --data D, or --gpus N")
+    else:
+        pipeline, data = args.pipeline, args.data
+    path = request_resize(args.run_dir, pipeline=pipeline, data=data, notify=not args.no_signal)
+    print(f"varuna: requested {pipeline}x{data} for {args.run_dir} ({path.name})")
+    return 0
 
 
 def _split_target(argv: list[str], run: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
@@ -79,6 +123,18 @@ def _run(args: argparse.Namespace) -> int:
         script_argv = list(args.target)
     else:
         raise ConfigError(f"nothing to run: give a script or -m MODULE ({EXAMPLE})")
+    if args.elastic:
+        from varuna.elastic import run_elastic
+
+        return run_elastic(
+            script_argv,
+            pipeline=args.pipeline,
+            data=args.data,
+            run_dir=args.run_dir,
+            hostfile=args.hostfile,
+            max_restarts=args.max_restarts,
+            timeout_s=args.timeout,
+        )
     return run_job(
         script_argv,
         pipeline=args.pipeline,
@@ -100,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "resize":
+            return _resize(args)
         parser.error(f"unknown command {args.command!r}")
     except (ConfigError, LaunchError) as exc:
         print(f"varuna: error: {exc}", file=sys.stderr)

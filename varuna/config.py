@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -46,7 +46,15 @@ class VarunaConfig:
     """First fp16 loss scale."""
     profile_repeats: int = 3
     """Measured repetitions of the start-up segment profile."""
-    extra: dict[str, object] = field(default_factory=dict)
+    resume: str | Path | None = None
+    """"latest" (the run directory's newest checkpoint, if any) or a checkpoint directory to start from."""
+    checkpoint_keep: int = 3
+    """How many committed checkpoints to keep in the run directory."""
+    allow_batch_change: bool = False
+    """Resume a checkpoint saved with another global batch size (changes the data order from there on)."""
+    on_stop: Literal["exit", "flag"] = "exit"
+    """On a stop request (signal, resize, controller): checkpoint and exit with MORPH_EXIT, or only set
+    `engine.should_stop` and let the script decide."""
 
     def __post_init__(self) -> None:
         for name in ("pipeline", "data", "global_batch_size", "micro_batch_size"):
@@ -78,6 +86,10 @@ class VarunaConfig:
             raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
         if self.run_dir is not None:
             self.run_dir = Path(self.run_dir)
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"checkpoint_keep must be at least 1, got {self.checkpoint_keep}")
+        if self.on_stop not in ("exit", "flag"):
+            raise ConfigError(f"on_stop={self.on_stop!r}: use 'exit' or 'flag'")
 
     @property
     def num_microbatches(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -28,11 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from varuna import checkpoint as ckpt
 from varuna import distributed as vdist
 from varuna.comm import P2P, GradBuckets
 from varuna.config import VarunaConfig
 from varuna.cutpoint import SKIPPED, CutPoint
-from varuna.errors import ConfigError
+from varuna.errors import CheckpointError, ConfigError
+from varuna.morph import MORPH_EXIT, StopRequest
 from varuna.partition import Partition, Trace, cut_names, make_partition, profile_segments, trace_model
 from varuna.precision import LossScaler, autocast_policy
 from varuna.runtime import StageRuntime, StepTimes
@@ -91,6 +94,7 @@ class Varuna:
         clip_grad_norm: float | None = None,
         example_batch: Mapping[str, Any] | None = None,
         run_dir: str | Path | None = None,
+        resume: str | Path | None = None,
         **options: Any,
     ) -> None:
         env = vdist.launch_env()
@@ -110,6 +114,7 @@ class Varuna:
             recompute=recompute,
             clip_grad_norm=clip_grad_norm,
             run_dir=Path(run_dir) if run_dir is not None else env.run_dir,
+            resume=resume if resume is not None else os.environ.get("VARUNA_RESUME") or None,
             **options,
         )
         cfg = self.config
@@ -179,8 +184,16 @@ class Varuna:
         self.last_grad_norm: float | None = None
         self.last_times: StepTimes | None = None
         self.history: list[dict[str, float]] = []
-        self._stop_requested = False
+        self.stop_request = StopRequest()
+        self.stop_request.install()
         self.should_stop = False
+        self._pending_optimizer: tuple[dict[str, torch.Tensor], list[dict[str, Any]], Any] | None = None
+        self.resumed_from: Path | None = None
+        self._morph_exit: Path | None = None
+        if cfg.resume is not None:
+            self._resume(cfg.resume)
+        if self.rank == 0 and cfg.run_dir is not None:
+            self._write_engine_info()
 
     # construction ------------------------------------------------------------------------------
     def _example(self, example_batch: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -315,7 +328,7 @@ class Varuna:
             if self._dp_group is not None:
                 for _, p in self._params:
                     dist.broadcast(p.data, src=self.stage, group=self._dp_group)
-            for g, pg, ranks in self._tied_groups:
+            for g, pg, _ranks in self._tied_groups:
                 if self.stage not in g.stages:
                     continue
                 local = [params[n] for n in g.names if n in params]
@@ -336,10 +349,16 @@ class Varuna:
         """Let `step()` run the optimizer (and scheduler), so fp16 overflow steps are skipped everywhere."""
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        if self._pending_optimizer is not None:
+            state, groups, scheduler_state = self._pending_optimizer
+            ckpt.apply_optimizer_state(optimizer, self._params, state, groups)
+            if lr_scheduler is not None and scheduler_state is not None:
+                lr_scheduler.load_state_dict(scheduler_state)
+            self._pending_optimizer = None
 
-    def request_stop(self) -> None:
-        """Ask every rank to stop after the current step; `should_stop` becomes True on all of them."""
-        self._stop_requested = True
+    def request_stop(self, reason: str = "request_stop()") -> None:
+        """Ask every rank to stop after the current step (the morph protocol; see varuna.morph)."""
+        self.stop_request.set(reason)
 
     def batch(self, dataset: Any, step: int, *, seed: int = 0, shuffle: bool = True) -> dict[str, Any]:
         """This replica's share of step `step`'s global batch from a map-style dataset."""
@@ -358,6 +377,15 @@ class Varuna:
     def step(self, batch: Mapping[str, Any]) -> float:
         """Forward and backward over this replica's micro-batches, reduce, step; the global mean loss."""
         cfg = self.config
+        if self._morph_exit is not None:
+            if self.rank == 0:
+                reason = self.stop_request.reason or "by another rank"
+                print(
+                    f"varuna: stop requested ({reason}); checkpointed step {self.step_count} to "
+                    f"{self._morph_exit}; exiting to morph",
+                    flush=True,
+                )
+            raise SystemExit(MORPH_EXIT)
         t0 = time.perf_counter()
         local = cfg.global_batch_size // cfg.data
         n = _batch_len(batch)
@@ -386,7 +414,7 @@ class Varuna:
         grads = [p.grad for _, p in self._params if p.grad is not None]
         sumsq = self._local_sumsq()
         flags = torch.tensor(
-            [float(sum(losses)) / M if losses else 0.0, sumsq, float(self._stop_requested)],
+            [float(sum(losses)) / M if losses else 0.0, sumsq, float(bool(self.stop_request))],
             dtype=torch.float64,
         )
         if self.world_size > 1:
@@ -429,7 +457,100 @@ class Varuna:
                 "idle_s": max(times.total_s - times.compute_s - times.comm_s, 0.0),
             }
         )
+        if stop and cfg.on_stop == "exit":
+            # Checkpoint now (a preempted VM has seconds), exit at the next step() so that the script
+            # still sees this step's loss.
+            self._morph_exit = self.checkpoint()
         return loss
+
+    # checkpoints -------------------------------------------------------------------------------
+    def checkpoint(self, root: str | Path | None = None) -> Path:
+        """Collective: save everything an exact resume needs, keyed by parameter name; returns the path."""
+        cfg = self.config
+        if root is None:
+            if cfg.run_dir is None:
+                raise CheckpointError(
+                    "checkpoint() needs a run directory (run_dir=... or `varuna run`) or a root"
+                )
+            root = cfg.run_dir / "checkpoints"
+        t0 = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {f"model.{n}": p.detach() for n, p in self._params}
+        optim, groups = ckpt.optimizer_tensors(self.optimizer, self._params)
+        tensors |= optim
+        tensors[f"rng.rank{self.rank}"] = torch.get_rng_state()
+        extra = {
+            "format": ckpt.FORMAT,
+            "step": self.step_count,
+            "config": self.config_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "optimizer_groups": groups,
+            "world": {"pipeline": cfg.pipeline, "data": cfg.data},
+        }
+        path, size = ckpt.save(
+            Path(root), self.step_count, tensors, extra, rank=self.rank, keep=cfg.checkpoint_keep
+        )
+        self.last_checkpoint = {
+            "path": str(path),
+            "bytes": size,
+            "seconds": time.perf_counter() - t0,
+            "step": self.step_count,
+        }
+        return path
+
+    def _resume(self, resume: str | Path) -> None:
+        cfg = self.config
+        path = ckpt.resolve(resume, cfg.run_dir)
+        if path is None:
+            return  # resume="latest" and nothing saved yet: a fresh start
+        problem: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                ckpt.verify(path)
+            except CheckpointError as exc:
+                problem[0] = str(exc)
+        if self.world_size > 1:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise CheckpointError(problem[0])
+        extra = ckpt.read_extra(path)
+        saved_batch = extra["config"]["global_batch_size"]
+        if saved_batch != cfg.global_batch_size and not cfg.allow_batch_change:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with global_batch_size={saved_batch}, this run asks for "
+                f"{cfg.global_batch_size}; a morph keeps the global batch so that the run stays the same "
+                "training. Use the same global_batch_size, or pass allow_batch_change=True to change it knowingly."
+            )
+        stored = ckpt.stored_tensors(path)
+        ckpt.check_model(stored, self.trace.param_shapes, path)
+        tensors: dict[str, torch.Tensor] = {f"model.{n}": p.data for n, p in self._params}
+        optim = ckpt.optimizer_placeholders(stored, self._params)
+        rng_key = f"rng.rank{self.rank}"
+        if rng_key in stored:
+            tensors[rng_key] = torch.empty(stored[rng_key][0], dtype=stored[rng_key][1])
+        ckpt.load_tensors(path, tensors | optim)
+        if rng_key in tensors:
+            torch.set_rng_state(tensors[rng_key])
+        self.step_count = int(extra["step"])
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+        self._pending_optimizer = (optim, extra.get("optimizer_groups") or [], extra.get("lr_scheduler"))
+        self.resumed_from = path
+        if self.rank == 0:
+            print(f"varuna: resumed from {path} at step {self.step_count}", flush=True)
+
+    def _write_engine_info(self) -> None:
+        assert self.config.run_dir is not None
+        info = self.config_dict() | {
+            "num_segments": self.trace.num_segments,
+            "boundaries": list(self.partition.boundaries),
+            "step": self.step_count,
+        }
+        path = self.config.run_dir / "engine.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=1, default=str))
+        tmp.replace(path)
 
     # reductions --------------------------------------------------------------------------------
     def _start_allreduce(self) -> None:
@@ -482,5 +603,8 @@ class Varuna:
 
     def config_dict(self) -> dict[str, Any]:
         d = asdict(self.config)
-        d["run_dir"] = str(d["run_dir"]) if d["run_dir"] is not None else None
+        for key in ("run_dir", "resume"):
+            d[key] = str(d[key]) if d[key] is not None else None
+        d["shared_weights"] = [list(g) for g in d["shared_weights"]]
+        d["partition"] = d["partition"] if isinstance(d["partition"], str) else list(d["partition"])
         return d

@@ -33,6 +33,7 @@ from typing import IO, Any, Literal, TextIO
 
 from varuna._postmortem import _shown, read_reports, summarise
 from varuna.errors import ConfigError, LaunchError
+from varuna.morph import MORPH_EXIT
 
 __all__ = ["Job", "run_job", "mpiexec_command", "find_mpiexec", "mpi_flavor", "read_reports", "summarise"]
 
@@ -354,11 +355,18 @@ class Job:
             code = 128 + self._stop_signal
         elif failures:
             code = 1
+        elif (
+            statuses
+            and all(s.get("state") == "morph" for s in statuses.values())
+            and len(statuses) == self.world
+        ):
+            code = MORPH_EXIT
+            self.summary = ["varuna: the job checkpointed and stopped, ready to morph (exit status 75)"]
         elif code == 0 and any(s.get("state") != "done" for s in statuses.values()):
             code = 1  # a rank left early without finalising MPI, and mpiexec ended the rest
         if self._stop_signal is not None:  # we stopped it: the ranks' deaths are ours, not news
             self.summary = [f"varuna: job stopped by {signal.Signals(self._stop_signal).name}"]
-        elif code != 0:
+        elif code not in (0, MORPH_EXIT):
             tail = self._tail.decode("utf-8", "replace")
             self.summary = summarise(
                 self.run_dir,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from varuna.distributed import env_rank, finalize_mpi, init_distributed, launch_env, placement, shutdown
+from varuna.morph import MORPH_EXIT
 
 __all__ = ["LineTee", "main"]
 
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         _run_target(argv)
     except SystemExit as exc:
         code = _exit_code(exc)
-        if code:
+        if code and code != MORPH_EXIT:
             said = exc.code if isinstance(exc.code, str) else f"exit code {code}"
             _report(me, "failed", SystemExit(said), f"SystemExit: {said}\n", code=code)
     except BaseException as exc:  # the rank is over either way; report everything, KeyboardInterrupt too
@@ -279,16 +280,16 @@ def main(argv: list[str] | None = None) -> None:
         text = _format_exception(exc)
         sys.stderr.write(text)
         _report(me, "failed", exc, text, code=code)
-    if code:
+    if code and code != MORPH_EXIT:
         _finish(code, log, real_out, real_err)  # no MPI_Finalize: the process manager ends the job now
-    _report(me, "done")
+    _report(me, "morph" if code == MORPH_EXIT else "done")
     sys.stdout.flush()
     try:
         shutdown()
     except Exception as exc:  # the script's work is done; say so and still end cleanly
         print(f"varuna: destroying the process group failed: {exc!r}", file=sys.stderr)
     finalize_mpi()
-    _finish(0, log, real_out, real_err)
+    _finish(code, log, real_out, real_err)
 
 
 if __name__ == "__main__":

@@ -58,14 +58,14 @@ CLIP = 0.05
 
 
 def reference(
-    kind: str, transform: Any = None, clip: float | None = None
+    kind: str, transform: Any = None, clip: float | None = None, steps: int = STEPS
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process training on the same global batches."""
     model = build(kind)
     data = dataset(kind)
     opt = optimizer(model.parameters())
     losses = []
-    for k in range(STEPS):
+    for k in range(steps):
         batch = collate([data[i] for i in global_indices(k, GLOBAL_BATCH, len(data))])
         if transform is not None:
             batch = transform(batch, k)
@@ -77,3 +77,13 @@ def reference(
         opt.step()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, name: str) -> None:
+    """Equal within `rel` relative to the tensor's scale: |a - b| <= rel * (|b| + max|b|) elementwise.
+
+    Elementwise relative error alone is meaningless for entries that pass through zero.
+    """
+    torch.testing.assert_close(
+        actual, expected, rtol=rel, atol=rel * float(expected.abs().max()), msg=lambda m: f"{name}: {m}"
+    )

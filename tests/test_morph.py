@@ -1,0 +1,128 @@
+"""Morphing: change P x D mid-training from the command line and lose nothing.
+
+fp32: 6 steps at 2x2, SIGUSR1 to one worker, resume at 4x1, again at step 12 to 1x2, on to step 18:
+the 18 losses and the final parameters equal an uninterrupted 18-step run at 1x1. fp16: a resize
+requested with `varuna resize` while the job runs: the loss scale carries over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "morph_train.py"
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from transparency_common import (  # noqa: E402
+    assert_rel_close,
+    reference,
+)
+
+pytestmark = pytest.mark.multirank
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def varuna(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "varuna", *args], env=ENV, capture_output=True, text=True, **kw
+    )
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "losses.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(300)
+def test_morph_2x2_to_4x1_to_1x2_equals_uninterrupted_training(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    for p, d in ((4, 1), (1, 2)):  # queued shapes for the two morphs, taken in order
+        assert varuna("resize", str(run), "-p", str(p), "-d", str(d), "--no-signal").returncode == 0
+    job = varuna(
+        "run",
+        "--elastic",
+        "-p",
+        "2",
+        "-d",
+        "2",
+        "--run-dir",
+        str(run),
+        str(SCRIPT),
+        str(out),
+        "18",
+        "fp32",
+        "6",
+        "12",
+        timeout=280,
+        cwd=tmp_path,
+    )
+    text = job.stdout + job.stderr
+    assert job.returncode == 0, text[-4000:]
+    assert text.count("ready to morph (exit status 75)") == 2
+    assert "morphing 2x2 -> 4x1" in text and "morphing 4x1 -> 1x2" in text
+    steps = records(out)
+    assert [r["step"] for r in steps] == list(range(18))
+    assert [r["shape"] for r in steps] == ["2x2"] * 6 + ["4x1"] * 6 + ["1x2"] * 6
+    ref_losses, ref_params = reference("gpt", steps=18)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=0
+    )
+    for f in sorted(out.glob("final-rank*.pt")):
+        for name, value in torch.load(f, weights_only=True).items():
+            assert_rel_close(value, ref_params[name], 1e-5, name)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000012"
+
+
+@pytest.mark.timeout(300)
+def test_resize_from_the_cli_while_running_keeps_the_fp16_loss_scale(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "varuna",
+        "run",
+        "--elastic",
+        "-p",
+        "2",
+        "-d",
+        "2",
+        "--run-dir",
+        str(run),
+        str(SCRIPT),
+        str(out),
+        "14",
+        "fp16",
+    ]
+    job = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+    )
+    deadline = time.monotonic() + 200
+    while len(records(out)) < 5 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    resize = varuna("resize", str(run), "-p", "1", "-d", "2")
+    assert resize.returncode == 0, resize.stderr
+    text, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, text[-4000:]
+    assert "morphing 2x2 -> 1x2" in text
+    steps = records(out)
+    assert [r["step"] for r in steps] == list(range(14))
+    morph_at = next(i for i, r in enumerate(steps) if r["shape"] == "1x2")
+    assert 5 <= morph_at < 14
+    before, after = steps[morph_at - 1]["scale"], steps[morph_at]["scale"]
+    # the scale fell from 2^30 through overflows before the morph ...
+    assert before <= 2.0**24 and any(r["skipped"] for r in steps[:morph_at])
+    # ... and carries over: the resumed step starts from it (halving only if that step overflows)
+    assert after in (before, before / 2)
+    extra = torch.load(run / "checkpoints" / f"step-{morph_at:08d}" / "extra.pt", weights_only=True)
+    assert extra["scaler"]["scale"] == before
+    losses = [r["loss"] for r in steps if not r["skipped"]]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
