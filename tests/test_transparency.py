@@ -103,7 +103,7 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
     for r in results:
         for name, value in r["params"].items():
             torch.testing.assert_close(
-                value, ref_params[name], rtol=RTOL, atol=1e-7, msg=lambda m: f"{name}: {m}"
+                value, ref_params[name], rtol=RTOL, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
             )
             seen[name] = seen.get(name, 0) + 1
     # every parameter is held by some rank: D copies, more for weights tied across stages
@@ -128,7 +128,7 @@ def _check_against(
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
         for name, value in r["params"].items():
             expected = ref_params[(rename or {}).get(name, name)]
-            torch.testing.assert_close(value, expected, rtol=RTOL, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(value, expected, rtol=RTOL, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_variable_sequence_length(runs) -> None:

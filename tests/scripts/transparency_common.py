@@ -85,5 +85,5 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, n
     Elementwise relative error alone is meaningless for entries that pass through zero.
     """
     torch.testing.assert_close(
-        actual, expected, rtol=rel, atol=rel * float(expected.abs().max()), msg=lambda m: f"{name}: {m}"
+        actual, expected, rtol=rel, atol=rel * float(expected.abs().max()), msg=lambda m, name=name: f"{name}: {m}"
     )
