@@ -269,10 +269,16 @@ def check_model(
     wrong = sorted(n for n in set(shapes) & set(saved) if tuple(shapes[n]) != tuple(saved[n]))
     if missing or unexpected or wrong:
         lines = [f"checkpoint {path} is from a different model:"]
-        lines += [f"  missing from the checkpoint: {n} {tuple(shapes[n])}" for n in missing[:20]]
-        lines += [f"  not in this model: {n} {tuple(saved[n])}" for n in unexpected[:20]]
-        lines += [
-            f"  shape differs: {n} model {tuple(shapes[n])} vs checkpoint {tuple(saved[n])}"
-            for n in wrong[:20]
-        ]
+        for what, names, show in (
+            ("missing from the checkpoint", missing, lambda n: f"{n} {tuple(shapes[n])}"),
+            ("not in this model", unexpected, lambda n: f"{n} {tuple(saved[n])}"),
+            (
+                "shape differs",
+                wrong,
+                lambda n: f"{n} model {tuple(shapes[n])} vs checkpoint {tuple(saved[n])}",
+            ),
+        ):
+            lines += [f"  {what}: {show(n)}" for n in names[:20]]
+            if len(names) > 20:
+                lines.append(f"  ... and {len(names) - 20} more {what}")
         raise CheckpointError("\n".join(lines))

@@ -190,6 +190,7 @@ class Varuna:
         self._pending_optimizer: tuple[dict[str, torch.Tensor], list[dict[str, Any]], Any] | None = None
         self.resumed_from: Path | None = None
         self._morph_exit: Path | None = None
+        self._saved_optimizer_class: str | None = None
         if cfg.resume is not None:
             self._resume(cfg.resume)
         if self.rank == 0 and cfg.run_dir is not None:
@@ -350,6 +351,12 @@ class Varuna:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         if self._pending_optimizer is not None:
+            saved_class = self._saved_optimizer_class
+            if saved_class is not None and saved_class != type(optimizer).__name__:
+                raise CheckpointError(
+                    f"the checkpoint {self.resumed_from} was saved with a {saved_class} optimizer, this run gives "
+                    f"{type(optimizer).__name__}; use the same optimizer to resume (or start without resume=)"
+                )
             state, groups, scheduler_state = self._pending_optimizer
             ckpt.apply_optimizer_state(optimizer, self._params, state, groups)
             if lr_scheduler is not None and scheduler_state is not None:
@@ -485,6 +492,7 @@ class Varuna:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "optimizer_groups": groups,
+            "optimizer_class": type(self.optimizer).__name__ if self.optimizer is not None else None,
             "world": {"pipeline": cfg.pipeline, "data": cfg.data},
         }
         path, size = ckpt.save(
@@ -535,6 +543,7 @@ class Varuna:
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self._pending_optimizer = (optim, extra.get("optimizer_groups") or [], extra.get("lr_scheduler"))
+        self._saved_optimizer_class = extra.get("optimizer_class")
         self.resumed_from = path
         if self.rank == 0:
             print(f"varuna: resumed from {path} at step {self.step_count}", flush=True)

@@ -1,0 +1,187 @@
+"""Checkpoints: exact resume, atomic commit, and the errors of damaged or mismatched checkpoints.
+
+One process (world size 1); the multi-rank save-at-one-shape, load-at-another path is in test_morph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from varuna import Varuna
+from varuna.data import SyntheticLM, collate
+from varuna.errors import CheckpointError
+from varuna.models import GPT, GPTConfig, gpt_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make(
+    run_dir: Path, *, seed: int = 0, cfg: GPTConfig | None = None, batch: int = 8, **kw
+) -> tuple[Varuna, SyntheticLM]:
+    torch.manual_seed(seed)
+    cfg = cfg or gpt_tiny()
+    data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
+    engine = Varuna(
+        GPT(cfg),
+        global_batch_size=batch,
+        micro_batch_size=2,
+        run_dir=run_dir,
+        example_batch=collate([data[0], data[1]]),
+        **kw,
+    )
+    opt = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    engine.set_optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
+    return engine, data
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    a, data = make(tmp_path)
+    for k in range(2):
+        a.step(a.batch(data, k))
+    path = a.checkpoint()
+    assert path == tmp_path / "checkpoints" / "step-00000002"
+    expected = [a.step(a.batch(data, k)) for k in (2, 3)]
+    b, _ = make(tmp_path, seed=99, resume=path)  # other initial weights: all must come from the checkpoint
+    assert b.step_count == 2
+    assert b.lr_scheduler.last_epoch == 2 and b.optimizer.param_groups[0]["lr"] == pytest.approx(
+        1e-2 * 0.9**2
+    )
+    got = [b.step(b.batch(data, k)) for k in range(b.step_count, 4)]
+    assert got == expected  # bitwise: the same process, the same kernels
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    a.close()
+    b.close()
+
+
+def test_latest_and_keep_last(tmp_path: Path) -> None:
+    engine, data = make(tmp_path, checkpoint_keep=2)
+    for k in range(3):
+        engine.step(engine.batch(data, k))
+        engine.checkpoint()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000002", "step-00000003"]
+    assert (root / "latest").read_text().strip() == "step-00000003"
+    manifest = json.loads((root / "step-00000003" / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["bytes"] > 0 and "extra.pt" in manifest["files"]
+    resumed, _ = make(tmp_path, resume="latest")
+    assert resumed.step_count == 3
+    engine.close()
+    resumed.close()
+
+
+def test_resume_latest_with_nothing_saved_starts_fresh(tmp_path: Path) -> None:
+    engine, _ = make(tmp_path, resume="latest")
+    assert engine.step_count == 0 and engine.resumed_from is None
+    engine.close()
+
+
+@pytest.fixture()
+def saved(tmp_path: Path) -> Path:
+    engine, data = make(tmp_path)
+    engine.step(engine.batch(data, 0))
+    path = engine.checkpoint()
+    engine.close()
+    return path
+
+
+def test_truncated_file_is_named(saved: Path) -> None:
+    victim = next(saved.glob("*.distcp"))
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint file .*{victim.name} is truncated or damaged: \d+ bytes, the manifest says \d+",
+    ):
+        make(saved.parent.parent, resume=saved)
+
+
+def test_corrupted_file_is_named(saved: Path) -> None:
+    victim = next(saved.glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checkpoint file .*{victim.name} is corrupted"):
+        make(saved.parent.parent, resume=saved)
+
+
+def test_uncommitted_checkpoint_is_refused(saved: Path) -> None:
+    (saved / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"is incomplete: it has no manifest.json"):
+        make(saved.parent.parent, resume=saved)
+
+
+def test_checkpoint_of_another_model_lists_the_differences(saved: Path) -> None:
+    other = GPTConfig(vocab_size=64, seq_len=16, d_model=48, n_layer=5, n_head=2)
+    with pytest.raises(CheckpointError, match=r"from a different model") as err:
+        make(saved.parent.parent, cfg=other, resume=saved)
+    text = str(err.value)
+    assert "missing from the checkpoint: blocks.4.ln_1.weight (48,)" in text
+    assert "shape differs: blocks.0.attn.qkv.weight model (144, 48) vs checkpoint (96, 32)" in text
+    assert "more shape differs" in text
+
+
+def test_other_global_batch_is_refused_unless_allowed(saved: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match=r"global_batch_size=8, this run asks for 16; .* allow_batch_change=True"
+    ):
+        make(saved.parent.parent, batch=16, resume=saved)
+    engine, _ = make(saved.parent.parent, batch=16, resume=saved, allow_batch_change=True)
+    assert engine.step_count == 1
+    engine.close()
+
+
+KILLER = """
+import os, signal, sys, torch
+import varuna.checkpoint as ckpt
+from varuna import Varuna
+from varuna.data import SyntheticLM, collate
+from varuna.models import GPT, gpt_tiny
+torch.manual_seed(0)
+cfg = gpt_tiny()
+data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
+engine = Varuna(GPT(cfg), global_batch_size=8, micro_batch_size=2, run_dir=sys.argv[1])
+engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+engine.step(engine.batch(data, 0))
+engine.checkpoint()
+engine.step(engine.batch(data, 1))
+ckpt._crc = lambda path: os.kill(os.getpid(), signal.SIGKILL)  # dies after the data, before the commit
+engine.checkpoint()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kill_during_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, str(tmp_path)], env=env, capture_output=True, timeout=100
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    root = tmp_path / "checkpoints"
+    assert (root / ".step-00000002.tmp").is_dir()  # the interrupted write
+    assert not (root / "step-00000002").exists()
+    assert (root / "latest").read_text().strip() == "step-00000001"
+    engine, data = make(tmp_path, resume="latest")
+    assert engine.step_count == 1
+    engine.step(engine.batch(data, 1))
+    engine.checkpoint()  # the next save replaces the debris
+    assert not (root / ".step-00000002.tmp").exists() and (root / "step-00000002").is_dir()
+    engine.close()
+
+
+def test_other_optimizer_is_refused(saved: Path) -> None:
+    torch.manual_seed(0)
+    cfg = gpt_tiny()
+    data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
+    engine = Varuna(GPT(cfg), global_batch_size=8, micro_batch_size=2, resume=saved)
+    with pytest.raises(CheckpointError, match=r"saved with a AdamW optimizer, this run gives SGD"):
+        engine.set_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+    del data
+    engine.close()

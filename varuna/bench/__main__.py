@@ -1,0 +1,40 @@
+"""``python -m varuna.bench pipeline [--json] [--quick]``: run one benchmark, print its report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from varuna.errors import ConfigError, LaunchError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m varuna.bench``; one subparser per benchmark."""
+    parser = argparse.ArgumentParser(prog="python -m varuna.bench", description="Varuna benchmarks.")
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    pipe = sub.add_parser(
+        "pipeline",
+        help="Varuna's schedules vs torch.distributed.pipelining and one process",
+        description="Throughput of Varuna (gpipe, 1f1b, varuna) and torch.distributed.pipelining "
+        "(GPipe, 1F1B) at P = 2 and 4 against one process, on the same GPT, weights and batches.",
+    )
+    pipe.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
+    pipe.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run of every path")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.bench == "pipeline":
+            from varuna.bench import pipeline
+
+            return pipeline.main(args)
+    except (ConfigError, LaunchError) as exc:
+        print(f"varuna bench: error: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

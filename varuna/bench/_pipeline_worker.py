@@ -1,0 +1,329 @@
+"""One measured job of the pipeline benchmark: every rank runs this module, rank 0 writes the results.
+
+    python -m varuna.bench._pipeline_worker SPEC.json                      # system "single"
+    varuna run --pipeline P -m varuna.bench._pipeline_worker SPEC.json     # "varuna", "torch.pipelining"
+
+SPEC.json (written by `varuna.bench.pipeline`) names the system, the model config, the batch shape,
+the schedules to run one after the other in this one job, the step counts and the output file.
+Every system trains the same GPT (same seed, so the same initial weights) on the same global
+batches with AdamW, one torch thread per rank. A step is timed from a barrier that lines the ranks
+up to the end of the optimizer step; its time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from varuna.data import SyntheticLM, collate, global_indices
+from varuna.models import GPT, GPTConfig
+
+LR = 1e-4
+SEED = 0
+DATA_SEED = 0
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _model(cfg: dict[str, Any]) -> GPT:
+    torch.manual_seed(SEED)
+    return GPT(GPTConfig(**cfg))
+
+
+def _batches(spec: dict[str, Any]) -> list[dict[str, Tensor]]:
+    """The global batches of steps 0 .. warmup+steps-1, made before any timing starts."""
+    cfg, B = spec["model"], spec["global_batch_size"]
+    steps = spec["warmup"] + spec["steps"]
+    ds = SyntheticLM(cfg["vocab_size"], cfg["seq_len"], max(B * steps, 1024), seed=DATA_SEED)
+    return [collate([ds[i] for i in global_indices(s, B, len(ds))]) for s in range(steps)]
+
+
+class _Clock:
+    """Wall and CPU seconds (this process, all its threads: gloo's too) of each step."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def start(self) -> None:
+        self._t, self._c = time.perf_counter(), time.process_time()
+
+    def stop(self) -> None:
+        self.wall.append(time.perf_counter() - self._t)
+        self.cpu.append(time.process_time() - self._c)
+
+
+def _summary(step_s: list[float], cpu_s: list[list[float]], spec: dict[str, Any]) -> dict[str, Any]:
+    """samples/s from the median timed step (and from the fastest one, less hurt by a noisy host).
+
+    `cpu_s` holds each rank's CPU seconds per step; their medians say how much work a rank did,
+    whatever else ran on the host meanwhile.
+    """
+    w = spec["warmup"]
+    timed = step_s[w:]
+    median = statistics.median(timed)
+    return {
+        "samples_per_s": spec["global_batch_size"] / median,
+        "best_samples_per_s": spec["global_batch_size"] / min(timed),
+        "median_step_s": median,
+        "step_s": [round(t, 5) for t in timed],
+        "warmup_step_s": [round(t, 5) for t in step_s[:w]],
+        "cpu_s_per_step_per_stage": [round(statistics.median(c[w:]), 4) for c in cpu_s],
+    }
+
+
+# ------------------------------------------------------------------------------------------ single
+
+
+def run_single(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Plain training in one process: forward+backward per micro-batch, gradients accumulated.
+
+    Same micro-batch size as the pipelines, so the per-sample compute is the same kernels on the
+    same shapes; this is the per-rank ideal the pipelines are compared against.
+    """
+    model = _model(spec["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    mbs = spec["micro_batch_size"]
+    M = spec["global_batch_size"] // mbs
+    clock, losses = _Clock(), []
+    for batch in _batches(spec):
+        clock.start()
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(M):
+            micro = {k: v[m * mbs : (m + 1) * mbs] for k, v in batch.items()}
+            loss = model(**micro) / M
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        clock.stop()
+        losses.append(total)
+    return [
+        {
+            "system": "single",
+            "schedule": None,
+            "pipeline": 1,
+            "microbatches": M,
+            **_summary(clock.wall, [clock.cpu], spec),
+            "first_loss": losses[0],
+        }
+    ]
+
+
+# ------------------------------------------------------------------------------------------ varuna
+
+
+def _gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_varuna(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from varuna import Varuna
+
+    batches = _batches(spec)
+    P = spec["pipeline"]
+    results = []
+    for schedule in spec["schedules"]:
+        engine = Varuna(
+            _model(spec["model"]),
+            pipeline=P,
+            data=1,
+            global_batch_size=spec["global_batch_size"],
+            micro_batch_size=spec["micro_batch_size"],
+            schedule=schedule,
+            example_batch=batches[0],
+            partition=spec.get("partition", "balanced"),
+            run_dir=spec["run_dir"],  # shares the segment profile (and so the partition) across schedules
+        )
+        engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR))
+        if engine.rank == 0:
+            _log(f"varuna P={P} {schedule}: boundaries {list(engine.partition.boundaries)}")
+        clock, losses = _Clock(), []
+        for batch in batches:
+            dist.barrier()
+            clock.start()
+            losses.append(engine.step(batch))
+            clock.stop()
+        timed = engine.history[spec["warmup"] :]
+        mine = {
+            "step_s": clock.wall,
+            "cpu_s": clock.cpu,
+            "idle_fraction": sum(h["idle_s"] for h in timed) / sum(h["time_s"] for h in timed),
+            "comm_fraction": sum(h["comm_s"] for h in timed) / sum(h["time_s"] for h in timed),
+        }
+        every = _gather(mine)
+        slowest = [max(r["step_s"][i] for r in every) for i in range(len(batches))]
+        results.append(
+            {
+                "system": "varuna",
+                "schedule": schedule,
+                "pipeline": P,
+                "microbatches": engine.config.num_microbatches,
+                **_summary(slowest, [r["cpu_s"] for r in every], spec),
+                "boundaries": list(engine.partition.boundaries),
+                "idle_fraction_per_stage": [round(r["idle_fraction"], 4) for r in every],
+                "comm_fraction_per_stage": [round(r["comm_fraction"], 4) for r in every],
+                "first_loss": losses[0],
+            }
+        )
+        engine.close()
+        if engine.rank == 0:
+            _log(f"varuna P={P} {schedule}: {results[-1]['samples_per_s']:.2f} samples/s")
+    return results
+
+
+# -------------------------------------------------------------------------------- torch.pipelining
+
+
+class _FirstStage(nn.Module):
+    def __init__(self, gpt: GPT, blocks: range) -> None:
+        super().__init__()
+        self.wte, self.wpe = gpt.wte, gpt.wpe
+        self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _MiddleStage(nn.Module):
+    def __init__(self, gpt: GPT, blocks: range) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _LastStage(_MiddleStage):
+    """The last blocks, ln_f and the LM head: an untied copy of the token embedding (see pipeline.py)."""
+
+    def __init__(self, gpt: GPT, blocks: range) -> None:
+        super().__init__(gpt, blocks)
+        self.ln_f = gpt.ln_f
+        self.head = nn.Linear(gpt.config.d_model, gpt.config.vocab_size, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(gpt.wte.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.ln_f(super().forward(x)))
+
+
+def _lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _stage_blocks(boundaries: list[int], stage: int, n_layer: int) -> range:
+    """Blocks of `stage` under varuna's boundaries (cut i sits after block i)."""
+    first = boundaries[stage - 1] + 1 if stage > 0 else 0
+    last = boundaries[stage] if stage < len(boundaries) else n_layer - 1
+    return range(first, last + 1)
+
+
+def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    rank, P = dist.get_rank(), dist.get_world_size()
+    if P != spec["pipeline"]:
+        raise RuntimeError(
+            f"torch.pipelining job has {P} ranks but the spec says pipeline={spec['pipeline']}"
+        )
+    batches = _batches(spec)
+    M = spec["global_batch_size"] // spec["micro_batch_size"]
+    bounds = spec["boundaries"]
+    n_layer = spec["model"]["n_layer"]
+    results = []
+    for name in spec["schedules"]:
+        gpt = _model(spec["model"])
+        blocks = _stage_blocks(bounds, rank, n_layer)
+        kind = _FirstStage if rank == 0 else _LastStage if rank == P - 1 else _MiddleStage
+        submod = kind(gpt, blocks)
+        del gpt
+        stage = PipelineStage(submod, rank, P, torch.device("cpu"))
+        schedule = schedules[name](stage, n_microbatches=M, loss_fn=_lm_loss)
+        opt = torch.optim.AdamW(submod.parameters(), lr=LR)
+        clock, losses = _Clock(), []
+        for batch in batches:
+            mb_losses: list[Tensor] = []
+            dist.barrier()
+            clock.start()
+            opt.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(batch["input_ids"])
+            elif rank == P - 1:
+                schedule.step(target=batch["labels"], losses=mb_losses, return_outputs=False)
+            else:
+                schedule.step()
+            opt.step()
+            clock.stop()
+            losses.append(float(torch.stack(mb_losses).detach().mean()) if mb_losses else None)
+        every = _gather({"step_s": clock.wall, "cpu_s": clock.cpu, "losses": losses})
+        slowest = [max(r["step_s"][i] for r in every) for i in range(len(batches))]
+        results.append(
+            {
+                "system": "torch.pipelining",
+                "schedule": name,
+                "pipeline": P,
+                "microbatches": M,
+                **_summary(slowest, [r["cpu_s"] for r in every], spec),
+                "boundaries": bounds,
+                "first_loss": every[-1]["losses"][0],
+            }
+        )
+        if rank == 0:
+            _log(f"torch.pipelining P={P} {name}: {results[-1]['samples_per_s']:.2f} samples/s")
+    return results
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+SYSTEMS = {"single": run_single, "varuna": run_varuna, "torch.pipelining": run_torch_pipelining}
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(Path(argv[0]).read_text())
+    torch.set_num_threads(1)
+    # A hang becomes a traceback of every thread and exit 1 (then mpiexec ends the job), before
+    # the parent's own timeout has to kill anything.
+    faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
+    results = SYSTEMS[spec["system"]](spec)
+    rank = int(os.environ.get("RANK", "0"))
+    if spec["system"] != "single":
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+    if rank == 0:
+        out = Path(spec["out"])
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(out)
+    faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,350 @@
+"""`varuna bench pipeline`: Varuna's schedules against torch.distributed.pipelining and one process.
+
+    python -m varuna.bench pipeline --json          # ~3 min on 2 cores; one JSON object on stdout
+    python -m varuna.bench pipeline --quick         # tiny model, a few steps: a smoke run
+
+Every system trains the same GPT (same seed, same initial weights) on the same global batches,
+with AdamW and one torch thread per rank:
+
+    single             one process; each step runs forward+backward on every micro-batch and
+                       accumulates gradients (same micro-batch size as the pipelines, so the same
+                       kernels on the same shapes), then one optimizer step: the per-rank ideal.
+    varuna             `Varuna(...)` with each schedule, at each P, D = 1, partition "balanced".
+    torch.pipelining   `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` on per-stage modules cut
+                       from the same GPT at the same block boundaries Varuna chose. The last stage's
+                       LM head is an untied copy of the token embedding (torch.pipelining has no
+                       tied weights across stages); it does the same matmul, so throughput is the
+                       same, but after step 0 its weights drift from Varuna's.
+
+A step is timed from a barrier to the end of the optimizer step, on every rank; its time is the
+slowest rank's. samples/s = global batch / median timed step. Processes are reused: one job runs
+every Varuna schedule of one P, one job every torch.pipelining schedule of one P; rank 0 writes
+the job's results as JSON into a temporary folder that this module collects.
+
+`ratios` compares like with like at each P: varuna / torch.pipelining for the same schedule, and
+each pipeline's samples/s over its bubble-limited ideal M / (M + P - 1) * P * single. A P larger
+than the host's cores cannot reach that ideal (ranks share cores); such P are listed under
+`oversubscribed`. Varuna's own schedule recomputes forwards (activation memory for compute), so
+its ideal is lower than GPipe's and 1F1B's by about one forward per micro-batch on non-last stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from varuna.errors import ConfigError, LaunchError
+
+__all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "format_table"]
+
+_ROOT = Path(__file__).resolve().parents[2]
+_WORKER = "varuna.bench._pipeline_worker"
+VARUNA_SCHEDULES = ("gpipe", "1f1b", "varuna")
+TORCH_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineBench:
+    """What the pipeline benchmark measures; see `full` and `quick` for the presets."""
+
+    model: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `varuna.models.GPTConfig`."""
+    global_batch_size: int = 32
+    """Samples per optimizer step (D = 1: all of them go through the one pipeline)."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch; M = global_batch_size / micro_batch_size."""
+    pipelines: tuple[int, ...] = (2, 4)
+    """Pipeline depths P to measure."""
+    varuna_schedules: tuple[str, ...] = VARUNA_SCHEDULES
+    """Varuna schedules, each run at every P."""
+    torch_schedules: tuple[str, ...] = TORCH_SCHEDULES
+    """torch.distributed.pipelining schedules, each run at every P."""
+    warmup: int = 2
+    """Untimed steps before the timed ones (per configuration)."""
+    steps: int = 5
+    """Timed steps per configuration; samples/s uses their median."""
+    job_timeout_s: float = 240.0
+    """A job (one system at one P, all its schedules) that runs longer fails, naming its config."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"PipelineBench.{name} must be a positive integer (got {value!r})")
+        if self.warmup < 0:
+            raise ConfigError(f"PipelineBench.warmup must be >= 0 (got {self.warmup})")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"PipelineBench.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+        n_layer = self.model.get("n_layer", 4)
+        for P in self.pipelines:
+            if not 2 <= P <= n_layer:
+                raise ConfigError(
+                    f"PipelineBench.pipelines holds {P}; each P must be in [2, n_layer] = [2, {n_layer}]"
+                )
+        for s in self.varuna_schedules:
+            if s not in VARUNA_SCHEDULES:
+                raise ConfigError(f"varuna schedule {s!r} is not one of {VARUNA_SCHEDULES}")
+        for s in self.torch_schedules:
+            if s not in TORCH_SCHEDULES:
+                raise ConfigError(f"torch.pipelining schedule {s!r} is not one of {TORCH_SCHEDULES}")
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+
+def full() -> PipelineBench:
+    """`gpt_bench()` (8 blocks, d_model 256, seq 128, vocab 4096), batch 32 in 8 micro-batches, P = 2 and 4."""
+    from varuna.models import gpt_bench
+
+    return PipelineBench(model=asdict(gpt_bench()))
+
+
+def quick() -> PipelineBench:
+    """`gpt_tiny()`, batch 8 in 4 micro-batches, P = 3 only (first, middle and last stages), 1+2 steps."""
+    from varuna.models import gpt_tiny
+
+    return PipelineBench(
+        model=asdict(gpt_tiny()),
+        global_batch_size=8,
+        micro_batch_size=2,
+        pipelines=(3,),
+        warmup=1,
+        steps=2,
+        job_timeout_s=120.0,
+    )
+
+
+# ---------------------------------------------------------------------------------------- jobs
+
+
+def _log(msg: str) -> None:
+    print(f"varuna bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{_ROOT}{os.pathsep}{path}" if path else str(_ROOT),
+        "VARUNA_TIMEOUT": os.environ.get("VARUNA_TIMEOUT", "60"),
+    }
+
+
+def _run_job(name: str, cmd: list[str], timeout_s: float, log: Path) -> None:
+    """Run one job to completion, or raise LaunchError naming `name` with the end of its output."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=_env(), cwd=_ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            code: int | str = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            # `varuna run` stops its ranks on SIGTERM; SIGKILL the session if it does not.
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            code = f"timeout after {timeout_s:g} s"
+    text = log.read_text(errors="replace")
+    if code != 0:
+        tail = "\n".join(text.splitlines()[-40:])
+        raise LaunchError(f"benchmark job {name} failed ({code}); its log: {log}; the end of it:\n{tail}")
+    for line in text.splitlines():
+        if "[bench]" in line:
+            print(line, file=sys.stderr)
+    _log(f"{name}: done in {time.perf_counter() - t0:.1f} s")
+
+
+def _job(
+    bench: PipelineBench, tmp: Path, system: str, pipeline: int, schedules: tuple[str, ...], **extra: Any
+) -> list[dict[str, Any]]:
+    name = (
+        system
+        if system == "single"
+        else f"{system} P={pipeline} M={bench.microbatches} ({', '.join(schedules)})"
+    )
+    tag = "single" if system == "single" else f"{system}-P{pipeline}"
+    out = tmp / f"{tag}.json"
+    spec = {
+        "system": system,
+        "model": bench.model,
+        "global_batch_size": bench.global_batch_size,
+        "micro_batch_size": bench.micro_batch_size,
+        "pipeline": pipeline,
+        "schedules": list(schedules),
+        "warmup": bench.warmup,
+        "steps": bench.steps,
+        "out": str(out),
+        "run_dir": str(tmp / "varuna-run"),
+        "hang_s": bench.job_timeout_s,
+        **extra,
+    }
+    spec_path = tmp / f"{tag}.spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    worker = ["-m", _WORKER, str(spec_path)]
+    if system == "single":
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(pipeline), "--data", "1"]
+        cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{bench.job_timeout_s:g}", *worker]
+    _log(f"{name}: starting")
+    # The outer limit only backs up `varuna run --timeout` (and the worker's own hang dump).
+    _run_job(name, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
+    if not out.exists():
+        raise LaunchError(
+            f"benchmark job {name} exited 0 but wrote no results ({out}); see {tmp / (tag + '.log')}"
+        )
+    return list(json.loads(out.read_text()))
+
+
+# -------------------------------------------------------------------------------------- report
+
+
+def _ratios(results: list[dict[str, Any]], rate: str) -> dict[str, Any]:
+    single = next(r for r in results if r["system"] == "single")[rate]
+    by = {(r["system"], r["schedule"], r["pipeline"]): r for r in results}
+    vs_torch: dict[str, dict[str, float]] = {}
+    of_ideal: dict[str, dict[str, dict[str, float]]] = {}
+    ideal: dict[str, float] = {}
+    for r in results:
+        if r["system"] == "single":
+            continue
+        P, M, key = r["pipeline"], r["microbatches"], f"P{r['pipeline']}"
+        ideal[key] = M / (M + P - 1) * P * single
+        of_ideal.setdefault(r["system"], {}).setdefault(key, {})[r["schedule"]] = r[rate] / ideal[key]
+        other = by.get(("torch.pipelining", r["schedule"], P))
+        if r["system"] == "varuna" and other is not None:
+            vs_torch.setdefault(key, {})[r["schedule"]] = r[rate] / other[rate]
+    return {
+        "varuna_over_torch_pipelining": vs_torch,
+        "of_bubble_ideal": of_ideal,
+        "bubble_ideal_samples_per_s": ideal,
+    }
+
+
+def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, Any]:
+    """varuna / torch.pipelining per (P, schedule), and every pipeline's share of its bubble-limited ideal.
+
+    From the median steps (`samples_per_s`), and again under `from_best_step` from the fastest
+    steps (`best_samples_per_s`), which a host busy with other work distorts less.
+    """
+    pipelines = sorted({r["pipeline"] for r in results if r["system"] != "single"})
+    return {
+        **_ratios(results, "samples_per_s"),
+        "from_best_step": _ratios(results, "best_samples_per_s"),
+        "oversubscribed": {f"P{P}": P > host_cores for P in pipelines},
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The results and ratios as aligned text."""
+    m = report["model"]
+    lines = [
+        f"GPT {m['config']['n_layer']} blocks, d_model {m['config']['d_model']}, seq {m['config']['seq_len']}, "
+        f"{m['params'] / 1e6:.2f}M params; batch {m['global_batch_size']} = {m['microbatches']} x "
+        f"{m['micro_batch_size']}; {m['threads_per_rank']} thread/rank on {m['host_cores']} cores "
+        f"(load {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after)",
+        "",
+        f"{'system':<17} {'schedule':<8} {'P':>2} {'M':>2} {'samples/s':>10} {'best':>7} {'step s':>8} "
+        f"{'of ideal':>9} {'cpu s/step per stage':>28}",
+    ]
+    ideal = report["ratios"]["of_bubble_ideal"]
+    for r in report["results"]:
+        share = ideal.get(r["system"], {}).get(f"P{r['pipeline']}", {}).get(r["schedule"])
+        lines.append(
+            f"{r['system']:<17} {r['schedule'] or '-':<8} {r['pipeline']:>2} {r['microbatches']:>2} "
+            f"{r['samples_per_s']:>10.2f} {r['best_samples_per_s']:>7.2f} {r['median_step_s']:>8.3f} "
+            f"{'' if share is None else f'{share:.2f}':>9} "
+            f"{' '.join(f'{c:.3f}' for c in r['cpu_s_per_step_per_stage']):>28}"
+        )
+    lines.append("")
+    best = report["ratios"]["from_best_step"]["varuna_over_torch_pipelining"]
+    for key, per in report["ratios"]["varuna_over_torch_pipelining"].items():
+        flag = " (oversubscribed)" if report["ratios"]["oversubscribed"].get(key) else ""
+        pairs = ", ".join(f"{s} {v:.2f} (best steps {best[key][s]:.2f})" for s, v in per.items())
+        lines.append(f"varuna / torch.pipelining at {key}{flag}: {pairs}")
+    lines.append(f"wall time {report['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run(bench: PipelineBench) -> dict[str, Any]:
+    """Run every job of `bench` (sequentially) and return the report."""
+    import torch
+
+    from varuna.models import GPT, GPTConfig, count_parameters
+
+    t0 = time.perf_counter()
+    load_before = _load()
+    params = count_parameters(GPT(GPTConfig(**bench.model)))
+    results: list[dict[str, Any]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="varuna-bench-"))
+    results += _job(bench, tmp, "single", 1, ())
+    for P in bench.pipelines:
+        mine = _job(bench, tmp, "varuna", P, bench.varuna_schedules)
+        results += mine
+        if bench.torch_schedules:
+            bounds = mine[0]["boundaries"]
+            results += _job(bench, tmp, "torch.pipelining", P, bench.torch_schedules, boundaries=bounds)
+    shutil.rmtree(tmp, ignore_errors=True)  # kept when a job fails: its log is named in the error
+    host_cores = os.cpu_count() or 1
+    losses = [r["first_loss"] for r in results]
+    report = {
+        "model": {
+            "config": bench.model,
+            "params": params,
+            "global_batch_size": bench.global_batch_size,
+            "micro_batch_size": bench.micro_batch_size,
+            "microbatches": bench.microbatches,
+            "data_parallel": 1,
+            "threads_per_rank": 1,
+            "host_cores": host_cores,
+            "warmup_steps": bench.warmup,
+            "timed_steps": bench.steps,
+            "optimizer": "AdamW",
+            "single_mode": "micro-batched: forward+backward per micro-batch, gradients accumulated",
+            "torch_pipelining_head": "untied copy of the token embedding on the last stage",
+            "torch_version": torch.__version__,
+            "load_before": load_before,
+            "load_after": _load(),
+            "first_loss_spread": max(losses) - min(losses),
+        },
+        "results": results,
+        "ratios": compute_ratios(results, host_cores),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    return report
+
+
+def main(args: Any) -> int:
+    """Entry of `python -m varuna.bench pipeline`; `args` has `json` and `quick`."""
+    bench = quick() if args.quick else full()
+    report = run(bench)
+    table = format_table(report)
+    if args.json:
+        print(table, file=sys.stderr)
+        print(json.dumps(report, indent=1))
+    else:
+        print(table)
+    return 0
