@@ -126,3 +126,52 @@ def test_resize_from_the_cli_while_running_keeps_the_fp16_loss_scale(tmp_path: P
     assert extra["scaler"]["scale"] == before
     losses = [r["loss"] for r in steps if not r["skipped"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def _live(run: Path) -> dict[int, int]:
+    statuses = [json.loads(p.read_text()) for p in run.glob("status/rank*.json")]
+    return {s["rank"]: s["pid"] for s in statuses if s.get("state") == "running"}
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_of_a_worker_mid_step_ends_the_job_fast(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "varuna",
+        "run",
+        "-p",
+        "2",
+        "-d",
+        "2",
+        "--run-dir",
+        str(run),
+        str(SCRIPT),
+        str(out),
+        "100000",
+        "fp32",
+    ]
+    job = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+    )
+    deadline = time.monotonic() + 150
+    while len(records(out)) < 3 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = _live(run)
+    assert len(pids) == 4, pids
+    os.kill(pids[1], 9)
+    killed = time.monotonic()
+    text, _ = job.communicate(timeout=60)
+    elapsed = time.monotonic() - killed
+    assert job.returncode != 0
+    assert elapsed < 5.0, f"the job took {elapsed:.1f} s to end after the kill"
+    assert "rank 1 (stage 1, replica 0)" in text and (
+        "signal 9" in text or "died without a Python exception" in text
+    )
+    for pid in pids.values():  # nothing left behind
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+        )
