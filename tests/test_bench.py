@@ -1,0 +1,62 @@
+"""Smoke test of `python -m varuna.bench pipeline --json --quick`: it runs and reports every system.
+
+Benchmarks never gate: nothing here asserts a timing or a ratio's value, only that they are there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_bench_quick_reports_every_system() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "varuna.bench", "pipeline", "--json", "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert {"model", "results", "ratios"} <= set(report)
+    for key in (
+        "config",
+        "params",
+        "global_batch_size",
+        "micro_batch_size",
+        "threads_per_rank",
+        "host_cores",
+    ):
+        assert key in report["model"]
+
+    seen = {(r["system"], r["schedule"]) for r in report["results"]}
+    assert ("single", None) in seen
+    assert {("varuna", s) for s in ("gpipe", "1f1b", "varuna")} <= seen
+    assert {("torch.pipelining", s) for s in ("gpipe", "1f1b")} <= seen
+    for r in report["results"]:
+        assert {"pipeline", "microbatches", "samples_per_s"} <= set(r)
+        assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"])
+        assert r["pipeline"] == (1 if r["system"] == "single" else r["pipeline"])
+    # Same seed, same batch: every system's first loss is the same number (a correctness check, not a timing).
+    assert report["model"]["first_loss_spread"] < 1e-4
+
+    ratios = report["ratios"]
+    pipelines = sorted({r["pipeline"] for r in report["results"] if r["system"] != "single"})
+    for P in pipelines:
+        assert set(ratios["varuna_over_torch_pipelining"][f"P{P}"]) == {"gpipe", "1f1b"}
+        assert set(ratios["of_bubble_ideal"]["varuna"][f"P{P}"]) == {"gpipe", "1f1b", "varuna"}
+        assert f"P{P}" in ratios["oversubscribed"]
