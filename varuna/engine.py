@@ -191,6 +191,8 @@ class Varuna:
         self.resumed_from: Path | None = None
         self._morph_exit: Path | None = None
         self._saved_optimizer_class: str | None = None
+        self.resume_info: dict[str, Any] | None = None
+        self.last_checkpoint: dict[str, Any] | None = None
         if cfg.resume is not None:
             self._resume(cfg.resume)
         if self.rank == 0 and cfg.run_dir is not None:
@@ -508,6 +510,7 @@ class Varuna:
 
     def _resume(self, resume: str | Path) -> None:
         cfg = self.config
+        t0 = time.perf_counter()
         path = ckpt.resolve(resume, cfg.run_dir)
         if path is None:
             return  # resume="latest" and nothing saved yet: a fresh start
@@ -545,6 +548,12 @@ class Varuna:
         self._pending_optimizer = (optim, extra.get("optimizer_groups") or [], extra.get("lr_scheduler"))
         self._saved_optimizer_class = extra.get("optimizer_class")
         self.resumed_from = path
+        self.resume_info = {
+            "path": str(path),
+            "step": self.step_count,
+            "seconds": time.perf_counter() - t0,
+            "bytes": int(json.loads((path / "manifest.json").read_text())["bytes"]),
+        }
         if self.rank == 0:
             print(f"varuna: resumed from {path} at step {self.step_count}", flush=True)
 
