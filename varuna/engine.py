@@ -577,13 +577,12 @@ class Varuna:
         self._tied_sums = []
         for _, pg, members in self._tied_local:
             grads = [p.grad for p in members if p.grad is not None]
-            total = (
-                torch.zeros_like(members[0])
-                if not grads
-                else torch.stack(grads).sum(0)
-                if len(grads) > 1
-                else grads[0].clone()
-            )
+            if not grads:
+                total = torch.zeros_like(members[0])
+            elif len(grads) > 1:
+                total = torch.stack(grads).sum(0)
+            else:
+                total = grads[0]  # reduced in place: it becomes this parameter's gradient again
             if pg is not None:
                 total.div_(self.config.data)
                 self._works.append(dist.all_reduce(total, group=pg, async_op=True))
@@ -595,12 +594,12 @@ class Varuna:
                 p.grad = total.clone() if len(members) > 1 else total
 
     def _local_sumsq(self) -> float:
-        flat = [b for b in self._buckets.buffers]
-        sq = sum(float(torch.linalg.vector_norm(b, dtype=torch.float64)) ** 2 for b in flat)
-        for (group, _, _), total in zip(self._tied_local, self._tied_sums):
-            if self.stage == group.stages[0]:
-                sq += float(torch.linalg.vector_norm(total, dtype=torch.float64)) ** 2
-        return sq
+        """Squared norm of the gradients this rank contributes (a tied weight counted once); inf/nan
+        propagate, which is the fp16 overflow check."""
+        tensors = list(self._buckets.buffers)
+        tensors += [t for (g, _, _), t in zip(self._tied_local, self._tied_sums) if self.stage == g.stages[0]]
+        norms = torch._foreach_norm(tensors) if tensors else []
+        return sum(float(n) ** 2 for n in norms)
 
     def close(self) -> None:
         """Release this engine's process groups (the default group stays for the next engine)."""
