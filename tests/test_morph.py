@@ -35,6 +35,35 @@ def varuna(*args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
+def start_job(tmp_path: Path, flags: list[str], out: Path, *args: str, steps_before: int) -> subprocess.Popen:
+    """Start `varuna run [flags] -p 2 -d 2` of the morph script; return once it has logged some steps."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "varuna",
+        "run",
+        *flags,
+        "-p",
+        "2",
+        "-d",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    job = subprocess.Popen(
+        [*cmd, str(SCRIPT), str(out), *args],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    deadline = time.monotonic() + 150
+    while len(records(out)) < steps_before and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return job
+
+
 def records(out: Path) -> list[dict]:
     path = out / "losses.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -85,29 +114,7 @@ def test_morph_2x2_to_4x1_to_1x2_equals_uninterrupted_training(tmp_path: Path) -
 def test_resize_from_the_cli_while_running_keeps_the_fp16_loss_scale(tmp_path: Path) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "varuna",
-        "run",
-        "--elastic",
-        "-p",
-        "2",
-        "-d",
-        "2",
-        "--run-dir",
-        str(run),
-        str(SCRIPT),
-        str(out),
-        "14",
-        "fp16",
-    ]
-    job = subprocess.Popen(
-        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
-    )
-    deadline = time.monotonic() + 200
-    while len(records(out)) < 5 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    job = start_job(tmp_path, ["--elastic"], out, "14", "fp16", steps_before=5)
     resize = varuna("resize", str(run), "-p", "1", "-d", "2")
     assert resize.returncode == 0, resize.stderr
     text, _ = job.communicate(timeout=240)
@@ -137,28 +144,7 @@ def _live(run: Path) -> dict[int, int]:
 def test_sigkill_of_a_worker_mid_step_ends_the_job_fast(tmp_path: Path) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "varuna",
-        "run",
-        "-p",
-        "2",
-        "-d",
-        "2",
-        "--run-dir",
-        str(run),
-        str(SCRIPT),
-        str(out),
-        "100000",
-        "fp32",
-    ]
-    job = subprocess.Popen(
-        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
-    )
-    deadline = time.monotonic() + 150
-    while len(records(out)) < 3 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    job = start_job(tmp_path, [], out, "100000", "fp32", steps_before=3)
     pids = _live(run)
     assert len(pids) == 4, pids
     os.kill(pids[1], 9)
