@@ -1,4 +1,4 @@
-"""``python -m varuna.bench pipeline [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pipe.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
     pipe.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run of every path")
+    morph = sub.add_parser(
+        "morph",
+        help="time of a resize: checkpoint, relaunch, load, first step in the new shape",
+        description="Resize an elastic 2x1 job of a ~100M-parameter GPT to 1x2 with `varuna resize` and time "
+        "each part, from the request to the first resumed step; the checkpoint's write rate against a "
+        "plain sequential write on the same disk.",
+    )
+    morph.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout (table to stderr)"
+    )
+    morph.add_argument("--quick", action="store_true", help="tiny model: a smoke run of every path")
     return parser
 
 
@@ -30,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             from varuna.bench import pipeline
 
             return pipeline.main(args)
+        if args.bench == "morph":
+            from varuna.bench import morph
+
+            return morph.main(args)
     except (ConfigError, LaunchError) as exc:
         print(f"varuna bench: error: {exc}", file=sys.stderr)
         return 1
