@@ -1,0 +1,71 @@
+"""Smoke test of `python -m varuna.bench morph --json --quick`: a real resize runs and is reported.
+
+Benchmarks never gate: nothing here asserts a timing or a ratio's value, only that they are there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from varuna.bench.morph import MorphBench, quick
+from varuna.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+POSITIVE = (
+    "params",
+    "bytes",
+    "write_s",
+    "write_mb_s",
+    "plain_write_mb_s",
+    "plain_write_cold_mb_s",
+    "write_fraction_of_plain",
+    "relaunch_s",
+    "load_s",
+    "request_to_resumed_step_s",
+)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_morph_bench_quick_reports_a_resize() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "varuna.bench", "morph", "--json", "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    for key in POSITIVE:
+        value = report[key]
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
+    assert (report["from_shape"], report["to_shape"]) == ("2x1", "1x2")
+    assert set(report["definitions"]) >= {"relaunch_s", "load_s", "request_to_resumed_step_s"}
+    assert set(report["targets"]) == {"request_to_resumed_step_s", "write_fraction_of_plain"}
+    # the relaunched job resumed where the old one checkpointed, and trained on
+    assert report["checkpoint_step"] >= quick().steps_before
+    assert len(report["step_s"]["after"]) == quick().steps_after
+    assert report["checkpoint_phases_s"]["dcp.save"] > 0 and report["load_phases_s"]["dcp.load"] > 0
+    # the breakdown covers the whole request -> resumed step interval
+    total = sum(report["breakdown_s"].values())
+    assert total == pytest.approx(report["request_to_resumed_step_s"], abs=0.05)
+
+
+def test_morph_bench_config_errors_name_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"to_shape = 1x3: global_batch_size \(4\) must be a multiple"):
+        MorphBench(to_shape=(1, 3))
+    with pytest.raises(ConfigError, match=r"early_checkpoint_step \(2\) must be in \[0, steps_before\)"):
+        MorphBench(early_checkpoint_step=2)
+    with pytest.raises(ConfigError, match=r"MorphBench.steps_after must be a positive integer \(got 0\)"):
+        MorphBench(steps_after=0)
