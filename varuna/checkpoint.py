@@ -188,10 +188,10 @@ def stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     return out
 
 
-def load_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Collective: fill `tensors` in place from the checkpoint."""
+def load_tensors(path: Path, tensors: Mapping[str, torch.Tensor], *, process_group: Any = None) -> None:
+    """Collective over `process_group` (default: all ranks): fill `tensors` in place from the checkpoint."""
     try:
-        dcp.load(dict(tensors), checkpoint_id=str(path))
+        dcp.load(dict(tensors), checkpoint_id=str(path), process_group=process_group)
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} could not be read: {type(exc).__name__}: {exc}") from exc
 

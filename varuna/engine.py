@@ -139,7 +139,9 @@ class Varuna:
         self._to_device(model)
         self._params = self._owned_parameters(model, owned)
         self._make_groups()
-        self._broadcast_initial_values()
+        self._resume_path = ckpt.resolve(cfg.resume, cfg.run_dir) if cfg.resume is not None else None
+        if self._resume_path is None:  # a checkpoint overwrites every value anyway
+            self._broadcast_initial_values()
 
         tied_names = {n for g in self.partition.tied for n in g.names}
         by_name = dict(self._params)
@@ -193,8 +195,8 @@ class Varuna:
         self._saved_optimizer_class: str | None = None
         self.resume_info: dict[str, Any] | None = None
         self.last_checkpoint: dict[str, Any] | None = None
-        if cfg.resume is not None:
-            self._resume(cfg.resume)
+        if self._resume_path is not None:
+            self._resume(self._resume_path)
         if self.rank == 0 and cfg.run_dir is not None:
             self._write_engine_info()
 
@@ -508,12 +510,9 @@ class Varuna:
         }
         return path
 
-    def _resume(self, resume: str | Path) -> None:
+    def _resume(self, path: Path) -> None:
         cfg = self.config
         t0 = time.perf_counter()
-        path = ckpt.resolve(resume, cfg.run_dir)
-        if path is None:
-            return  # resume="latest" and nothing saved yet: a fresh start
         problem: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -537,9 +536,9 @@ class Varuna:
         tensors: dict[str, torch.Tensor] = {f"model.{n}": p.data for n, p in self._params}
         optim = ckpt.optimizer_placeholders(stored, self._params)
         rng_key = f"rng.rank{self.rank}"
-        if rng_key in stored:
+        if rng_key in stored and (cfg.data == 1 or self.replica == 0):  # replica 0 reads for its stage
             tensors[rng_key] = torch.empty(stored[rng_key][0], dtype=stored[rng_key][1])
-        ckpt.load_tensors(path, tensors | optim)
+        self._load_once_per_stage(path, tensors | optim)
         if rng_key in tensors:
             torch.set_rng_state(tensors[rng_key])
         self.step_count = int(extra["step"])
@@ -556,6 +555,21 @@ class Varuna:
         }
         if self.rank == 0:
             print(f"varuna: resumed from {path} at step {self.step_count}", flush=True)
+
+    def _load_once_per_stage(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """Replica 0 reads the checkpoint; the other replicas receive it over their stage's group
+        (one disk read per stage instead of D concurrent ones)."""
+        P, D = self.config.pipeline, self.config.data
+        if D == 1:
+            ckpt.load_tensors(path, tensors)
+            return
+        readers = dist.new_group(list(range(P)))  # every rank creates every group
+        if self.replica == 0:
+            ckpt.load_tensors(path, tensors, process_group=readers)
+        with torch.no_grad():
+            for key in sorted(k for k in tensors if not k.startswith("rng.")):
+                dist.broadcast(tensors[key], src=self.stage, group=self._dp_group)
+        dist.destroy_process_group(readers)
 
     def _write_engine_info(self) -> None:
         assert self.config.run_dir is not None
