@@ -105,9 +105,8 @@ def save(
         size = sum(f["bytes"] for f in files.values())
         manifest = {"format": FORMAT, "step": step, "created": time.time(), "files": files, "bytes": size}
         _atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+        with open(tmp / "extra.pt", "rb") as f:  # DCP's writer fsyncs its own files
+            os.fsync(f.fileno())
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
