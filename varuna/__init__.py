@@ -18,6 +18,7 @@ __all__ = [
     "Varuna",
     "data",
     "make_schedule",
+    "auto_cut",
     "VarunaError",
     "ConfigError",
     "PartitionError",
@@ -31,6 +32,7 @@ _WHERE = {
     "CutPoint": "varuna.cutpoint",
     "Varuna": "varuna.engine",
     "make_schedule": "varuna.schedule",
+    "auto_cut": "varuna.autocut",
     **{
         name: "varuna.errors"
         for name in (
@@ -46,6 +48,7 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from varuna import data
+    from varuna.autocut import auto_cut
     from varuna.cutpoint import CutPoint
     from varuna.engine import Varuna
     from varuna.errors import (

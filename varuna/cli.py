@@ -67,7 +67,81 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--gpus", type=int, metavar="N", help="choose P x D for N devices, keeping the global batch"
     )
     resize.add_argument("--no-signal", action="store_true", help="only queue the shape for the next morph")
+    _add_plan_parser(sub)
+    _add_profile_parser(sub)
     return parser, run
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="rank P x D x micro-batch size x schedule for N devices from a profile",
+        description="Simulate every configuration that fits and print them ranked by predicted step time.",
+        epilog="example: varuna plan --gpus 8 --memory 16GiB --profile runs/gpt/profile.json --global-batch 32",
+    )
+    plan.add_argument("--gpus", type=int, required=True, metavar="N", help="devices to use (P x D = N)")
+    plan.add_argument("--memory", required=True, metavar="SIZE", help="memory per device, e.g. 16GiB, 80GB")
+    plan.add_argument(
+        "--profile", type=Path, required=True, metavar="FILE", help="the cost table (RUN_DIR/profile.json)"
+    )
+    plan.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per step")
+    plan.add_argument("--top", type=int, default=10, metavar="K", help="show the best K (default 10)")
+    plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from varuna.costs import CostTable
+    from varuna.plan import plan
+
+    result = plan(
+        CostTable.load(args.profile),
+        gpus=args.gpus,
+        memory_bytes=args.memory,
+        global_batch_size=args.global_batch,
+    )
+    print(json.dumps(result.to_json(top=args.top), indent=1) if args.json else result.format(top=args.top))
+    return 0
+
+
+def _add_profile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    profile = sub.add_parser(
+        "profile",
+        help="measure per-segment compute, memory and the network; write RUN_DIR/profile.json",
+        description="Run a training script under the profiler: it stops at Varuna(...), profiles the "
+        "model on its example_batch and the network between the ranks, and writes the cost table.",
+        epilog="example: varuna profile --gpus 2 --micro-batch-sizes 1,2,4 train.py --lr 3e-4",
+    )
+    profile.add_argument("--gpus", type=int, default=2, metavar="N", help="ranks to launch (default 2)")
+    profile.add_argument("--run-dir", type=Path, metavar="DIR", help="default runs/profile-<time>")
+    profile.add_argument(
+        "--micro-batch-sizes", default="1,2,4", metavar="M,M,...", help="sizes to profile (default 1,2,4)"
+    )
+    profile.add_argument("--repeats", type=int, default=3, metavar="N", help="timed passes per size (3)")
+    profile.add_argument("--hostfile", type=Path, metavar="FILE", help="hosts to run on (MPI hostfile)")
+    profile.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds")
+    profile.add_argument("-m", dest="module", metavar="MODULE", help="profile a module, as `python -m`")
+    profile.add_argument("target", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from varuna._profile_main import launch_profile, parse_sizes
+
+    return launch_profile(
+        ["-m", args.module, *args.target] if args.module else list(args.target),
+        gpus=args.gpus,
+        run_dir=args.run_dir,
+        micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
+        repeats=args.repeats,
+        hostfile=args.hostfile,
+        timeout_s=args.timeout,
+    )
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]  # type: ignore[no-any-return]
 
 
 def _resize(args: argparse.Namespace) -> int:
@@ -150,14 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     parser, run = _parsers()
     argv = list(sys.argv[1:] if argv is None else argv)
     head, target = _split_target(argv, run) if argv[:1] == ["run"] else (argv, [])
+    if argv[:1] == ["profile"]:
+        head, target = _split_target(argv, _subcommand(parser, "profile"))
     args = parser.parse_args(head)
-    if args.command == "run":
+    if args.command in ("run", "profile"):
         args.target = target
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "profile":
+            return _profile(args)
         if args.command == "resize":
             return _resize(args)
+        if args.command == "plan":
+            return _plan(args)
         parser.error(f"unknown command {args.command!r}")
     except (ConfigError, LaunchError) as exc:
         print(f"varuna: error: {exc}", file=sys.stderr)

@@ -1,0 +1,318 @@
+"""Tests of varuna/autocut.py: CutPoints inserted between repeated blocks, without the model's help.
+
+The models here have no CutPoints: our GPT with its cut list emptied, and small look-alikes with
+the attribute structure of the transformers library's GPT-2 (`transformer.h`, blocks returning
+tuples) and BERT (`bert.encoder.layer`). A two-stage split is played in one process with a CutPoint
+handler doing what the engine's runtime does at a boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from varuna import auto_cut
+from varuna.autocut import find_blocks
+from varuna.cutpoint import SKIPPED, CutPoint, _handling
+from varuna.errors import PartitionError
+from varuna.models import GPT, gpt_tiny
+from varuna.partition import make_partition, trace_model
+
+
+def _uncut_gpt() -> GPT:
+    model = GPT(gpt_tiny())
+    model.cuts = nn.ModuleList()  # forward calls `self.cuts[i]` only for i < len(self.cuts)
+    return model
+
+
+def _gpt_batch(n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (n, 16), generator=g)
+    return {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
+
+
+# --- look-alikes of the transformers library's models (structure only) --------------------------
+
+
+class _HFAttention(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        return self.c_proj(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+class _GPT2Block(nn.Module):
+    """Returns (hidden_states, present) as transformers' GPT2Block does with use_cache=True."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(d), _HFAttention(d), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = hidden_states + self.attn(self.ln_1(hidden_states))
+        h = h + self.mlp(self.ln_2(h))
+        return h, h.detach().sum(-1)  # a stand-in for the key/value cache
+
+
+class _GPT2Model(nn.Module):
+    def __init__(self, vocab: int, d: int, n_layer: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(16, d)
+        self.h = nn.ModuleList(_GPT2Block(d) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))
+        for block in self.h:
+            outputs = block(hidden_states)
+            hidden_states = outputs[0]
+        return self.ln_f(hidden_states)
+
+
+class _GPT2LMHeadModel(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, n_layer: int = 3) -> None:
+        super().__init__()
+        self.transformer = _GPT2Model(vocab, d, n_layer)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.transformer(input_ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class _BertLayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attention, self.ln = _HFAttention(d), nn.LayerNorm(d)
+
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.ln(hidden_states + self.attention(hidden_states, mask)),)
+
+
+class _BertEncoder(nn.Module):
+    def __init__(self, d: int, n_layer: int) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_BertLayer(d) for _ in range(n_layer))
+
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer_module in self.layer:
+            hidden_states = layer_module(hidden_states, mask)[0]
+        return hidden_states
+
+
+class _BertModel(nn.Module):
+    def __init__(self, d: int, n_layer: int) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(64, d)
+        self.encoder = _BertEncoder(d, n_layer)
+
+
+class _BertForMaskedLM(nn.Module):
+    def __init__(self, d: int = 32, n_layer: int = 4) -> None:
+        super().__init__()
+        self.bert = _BertModel(d, n_layer)
+        self.cls = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d))
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        mask = (1.0 - attention_mask[:, None, :].float()) * -1e9
+        h = self.bert.encoder(self.bert.embeddings(input_ids), mask)
+        logits = F.linear(self.cls(h), self.bert.embeddings.weight)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+# --- a two-stage split in one process --------------------------------------------------------------
+
+
+class _Boundary:
+    """What the engine's runtime does at boundary cut `index`: stage 0 hands its value out and
+    continues on placeholders; stage 1 splices the received value in."""
+
+    def __init__(self, index_of: dict[int, int], index: int, stage: int, received: Any = None) -> None:
+        self.index_of, self.index, self.stage, self.received = index_of, index, stage, received
+        self.sent: Any = None
+
+    def on_cut(self, cut: CutPoint, value: Any) -> Any:
+        if self.index_of[id(cut)] != self.index:
+            return value
+        if self.stage == 0:
+            self.sent = value
+            return SKIPPED
+        return self.received
+
+
+@contextlib.contextmanager
+def _skipping(blocks: list[nn.Module]) -> Iterator[None]:
+    """Blocks another stage holds return the placeholder, as the engine makes them do."""
+    for block in blocks:
+        block.forward = lambda *args, **kwargs: SKIPPED
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
+
+
+def _two_stage_loss_and_grads(
+    model: nn.Module, batch: dict[str, torch.Tensor], boundary: int
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Stage 0 runs the blocks up to cut `boundary`, stage 1 the rest; gradients of both summed."""
+    trace = trace_model(model, batch)
+    names = {name: i for i, name in enumerate(trace.cut_names)}
+    index_of = {id(m): names[n] for n, m in model.named_modules() if isinstance(m, CutPoint)}
+    blocks = [model.get_submodule(n) for n in find_blocks(model)[1]]
+    first = _Boundary(index_of, boundary, 0)
+    with _handling(first), _skipping(blocks[boundary + 1 :]):
+        assert model(**batch) is SKIPPED
+    received = first.sent.detach().requires_grad_(True)
+    second = _Boundary(index_of, boundary, 1, received)
+    with _handling(second), _skipping(blocks[: boundary + 1]):
+        loss = model(**batch)
+    loss.backward()
+    first.sent.backward(received.grad)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def _plain_loss_and_grads(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = model(**batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+# --- tests -------------------------------------------------------------------------------------------
+
+
+def test_gpt_without_cuts_trains_like_the_annotated_gpt() -> None:
+    torch.manual_seed(0)
+    manual = GPT(gpt_tiny())
+    auto = _uncut_gpt()
+    auto.load_state_dict(manual.state_dict())  # auto_cut leaves the state_dict keys alone
+    names = auto_cut(auto)
+    assert names == [f"varuna_cuts.{i}" for i in range(gpt_tiny().n_layer - 1)]
+    assert auto.state_dict().keys() == manual.state_dict().keys()
+    batch = _gpt_batch()
+    assert trace_model(auto, batch).cut_names == names
+    losses = {}
+    for label, model in (("manual", manual), ("auto", auto)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses[label] = []
+        for _ in range(3):
+            loss = model(**batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[label].append(loss.item())
+    assert losses["auto"] == losses["manual"]
+    partition = make_partition(trace_model(auto, batch), 2)
+    assert partition.stage_params == make_partition(trace_model(manual, batch), 2).stage_params
+
+
+def test_two_stage_split_at_an_auto_cut_matches_plain_training() -> None:
+    torch.manual_seed(0)
+    model = _uncut_gpt()
+    auto_cut(model)
+    batch = _gpt_batch()
+    loss, grads = _plain_loss_and_grads(model, batch)
+    split_loss, split_grads = _two_stage_loss_and_grads(model, batch, boundary=1)
+    assert split_loss == pytest.approx(loss, rel=1e-6)
+    torch.testing.assert_close(split_grads, grads)
+
+
+def test_gpt2_look_alike_with_tuple_outputs() -> None:
+    torch.manual_seed(0)
+    model = _GPT2LMHeadModel(n_layer=3)
+    assert find_blocks(model) == ("transformer.h", ["transformer.h.0", "transformer.h.1", "transformer.h.2"])
+    names = auto_cut(model)
+    assert names == ["transformer.varuna_cuts.0", "transformer.varuna_cuts.1"]
+    batch = _gpt_batch()
+    out = model.transformer.h[0](torch.zeros(1, 16, 32))
+    assert isinstance(out, tuple) and len(out) == 2  # the rest of the tuple is kept
+    loss, grads = _plain_loss_and_grads(model, batch)
+    for boundary in (0, 1):
+        split_loss, split_grads = _two_stage_loss_and_grads(model, batch, boundary)
+        assert split_loss == pytest.approx(loss, rel=1e-6)
+        torch.testing.assert_close(split_grads, grads)
+
+
+def test_skipped_tuple_block_gives_the_spliced_value_at_index_zero() -> None:
+    model = _GPT2LMHeadModel(n_layer=2)
+    auto_cut(model)
+    model(**_gpt_batch())  # learn the blocks' output arity
+    received = torch.randn(4, 16, 32)
+
+    class Splice:
+        def on_cut(self, cut: CutPoint, value: Any) -> Any:
+            return received
+
+    block = model.transformer.h[0]
+    with _handling(Splice()), _skipping([block]):
+        out = block(SKIPPED)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert out[0] is received and out[1] is SKIPPED
+
+
+def test_bert_look_alike_and_deepcopy() -> None:
+    torch.manual_seed(0)
+    model = _BertForMaskedLM(n_layer=4)
+    names = auto_cut(model)
+    assert names == [f"bert.encoder.varuna_cuts.{i}" for i in range(3)]
+    ids = torch.randint(0, 64, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones(2, 16, dtype=torch.long), "labels": ids}
+    clone = copy.deepcopy(model)  # the copy's hooks must call the copy's CutPoints
+    assert trace_model(clone, batch).cut_names == names
+    loss, grads = _plain_loss_and_grads(model, batch)
+    split_loss, split_grads = _two_stage_loss_and_grads(model, batch, boundary=2)
+    assert split_loss == pytest.approx(loss, rel=1e-6)
+    torch.testing.assert_close(split_grads, grads)
+
+
+def test_no_repeated_blocks_is_an_error() -> None:
+    flat = nn.Module()
+    flat.embed, flat.body = nn.Embedding(8, 4), nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8))
+    flat.acts = nn.ModuleList([nn.ReLU(), nn.ReLU()])  # repeated, but nothing to balance
+    with pytest.raises(
+        PartitionError,
+        match=r"no repeated blocks in Module: .*containers seen: body \(Sequential of LayerNorm, Linear, ReLU\); acts",
+    ):
+        auto_cut(flat)
+    wrapped = nn.Module()
+    wrapped.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # two blocks of one class: fine
+    assert auto_cut(wrapped) == ["varuna_cuts.0"]
+
+
+def test_a_model_that_is_its_own_block_list_is_an_error() -> None:
+    with pytest.raises(PartitionError, match="the model is itself an Sequential"):
+        auto_cut(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+
+
+def test_model_with_cutpoints_is_an_error() -> None:
+    with pytest.raises(PartitionError, match=r"already has CutPoints \(\['cuts.0'"):
+        auto_cut(GPT(gpt_tiny()))
+
+
+def test_explicit_blocks_argument() -> None:
+    model = _uncut_gpt()
+    assert auto_cut(model, blocks="blocks") == [f"varuna_cuts.{i}" for i in range(3)]
+    with pytest.raises(PartitionError, match=r"auto_cut\(blocks='ln_f'\) names a LayerNorm"):
+        auto_cut(_uncut_gpt(), blocks="ln_f")
+    with pytest.raises(PartitionError, match=r"auto_cut\(blocks='nope'\): no such submodule"):
+        auto_cut(_uncut_gpt(), blocks="nope")

@@ -1,0 +1,111 @@
+"""The cost table: validation, JSON round trips, interpolation of all-reduce times, signatures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from varuna.costs import CostTable, NetworkCost, SegmentCost, model_signature
+from varuna.errors import ConfigError
+
+
+def segment(**overrides: object) -> SegmentCost:
+    fields: dict[str, object] = {
+        "forward_s": {1: 0.1, 2: 0.2},
+        "backward_s": {1: 0.2, 2: 0.4},
+        "activation_bytes": {1: 100, 2: 200},
+        "activation_memory_bytes": {1: 1000, 2: 2000},
+        "param_bytes": 10,
+        "grad_bytes": 10,
+        "optimizer_bytes": 20,
+    }
+    fields.update(overrides)
+    return SegmentCost(**fields)  # type: ignore[arg-type]
+
+
+def table(**overrides: object) -> CostTable:
+    fields: dict[str, object] = {
+        "model_signature": "abc",
+        "segments": [segment(), segment(recompute_s={1: 0.15, 2: 0.3})],
+        "network": NetworkCost(
+            p2p_latency_s=1e-4, p2p_bandwidth_Bps=1e9, allreduce={2: [(1000, 0.01), (0, 0.001)]}
+        ),
+        "micro_batch_sizes": [2, 1],
+        "tied_bytes": 8,
+    }
+    fields.update(overrides)
+    return CostTable(**fields)  # type: ignore[arg-type]
+
+
+def test_json_round_trip_through_a_file(tmp_path: Path) -> None:
+    t = table()
+    path = t.save(tmp_path / "run" / "profile.json")
+    text = json.loads(path.read_text())
+    assert text["version"] == 1 and text["segments"][0]["forward_s"] == {"1": 0.1, "2": 0.2}
+    back = CostTable.load(path)
+    assert back == t
+    assert back.micro_batch_sizes == [1, 2]  # sorted on construction
+    assert back.segments[1].recompute_at(2) == 0.3 and back.segments[0].recompute_at(2) == 0.2
+
+
+def test_load_errors_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no profile at .*run `varuna profile` first"):
+        CostTable.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        CostTable.load(bad)
+    data = table().to_json()
+    del data["segments"]
+    with pytest.raises(ConfigError, match="missing the field 'segments'"):
+        CostTable.from_json(data)
+    data = table().to_json() | {"version": 99}
+    with pytest.raises(ConfigError, match="format version 99"):
+        CostTable.from_json(data)
+
+
+def test_validation_messages() -> None:
+    with pytest.raises(
+        ConfigError, match=r"backward_s has micro-batch sizes \[1\] but forward_s has \[1, 2\]"
+    ):
+        segment(backward_s={1: 0.2})
+    with pytest.raises(ConfigError, match=r"forward_s\[1\] = -1.0"):
+        segment(forward_s={1: -1.0, 2: 0.2})
+    with pytest.raises(ConfigError, match="param_bytes = -1"):
+        segment(param_bytes=-1)
+    with pytest.raises(ConfigError, match=r"segment 0 has no costs for micro-batch sizes \[4\]"):
+        table(micro_batch_sizes=[1, 4])
+    with pytest.raises(ConfigError, match="segments is empty"):
+        table(segments=[])
+    with pytest.raises(ConfigError, match="repeats a size"):
+        table(micro_batch_sizes=[1, 1])
+    with pytest.raises(ConfigError, match="p2p_bandwidth_Bps = 0"):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=0)
+    with pytest.raises(ConfigError, match="group size 1 must be an integer >= 2"):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, allreduce={1: [(1, 1.0)]})
+
+
+def test_allreduce_interpolates_and_extrapolates() -> None:
+    net = NetworkCost(
+        p2p_latency_s=1e-3, p2p_bandwidth_Bps=1e6, allreduce={2: [(0, 1.0), (100, 2.0), (200, 4.0)]}
+    )
+    assert net.allreduce_time(50, 2) == 1.5
+    assert net.allreduce_time(150, 2) == 3.0
+    assert net.allreduce_time(300, 2) == 6.0  # the last slope
+    assert net.allreduce_time(10**6, 1) == 0.0  # no replicas, nothing to reduce
+    # an unmeasured group scales the nearest by the ring traffic factor 2(g-1)/g: (3/2) / 1
+    assert net.allreduce_time(100, 4) == pytest.approx(3.0)
+    # nothing measured: the ring model over point-to-point
+    bare = NetworkCost(p2p_latency_s=1e-3, p2p_bandwidth_Bps=1e6)
+    assert bare.allreduce_time(10**6, 2) == pytest.approx(2e-3 + 1.0)
+    assert bare.p2p_time(10**6) == pytest.approx(1.001)
+
+
+def test_model_signature_tracks_names_and_shapes() -> None:
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    assert model_signature(a) == model_signature(b) == model_signature([("weight", (4, 4)), ("bias", (4,))])
+    assert model_signature(a) != model_signature(nn.Linear(4, 5))
+    assert len(model_signature(a)) == 16

@@ -1,0 +1,128 @@
+"""Network measurement for the profiler: point-to-point latency and bandwidth, and all-reduce time
+against size for each data-parallel group size, along the stage layout the engine uses
+(rank r is stage r % P of replica r // P, so the group of stage s is {s, s+P, s+2P, ...}).
+
+Collective: every rank of the job calls `profile_network()`; all get the same `NetworkCost`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from varuna.costs import NetworkCost
+from varuna.errors import ConfigError
+
+__all__ = ["profile_network", "NETWORK_SIZES"]
+
+NETWORK_SIZES: tuple[int, ...] = (2**12, 2**16, 2**20, 2**23, 2**25)
+"""Bytes per all-reduce measured by default: from latency-bound to a 25 MB gradient bucket."""
+
+
+def _comm_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn()` after one warm-up call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples = []
+    for rep in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        sync()
+        if rep:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _p2p(rank: int, device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) between ranks 0 and 1 by ping-pong; the same on every rank."""
+    small = torch.zeros(1, device=device)
+    big = torch.zeros(max(nbytes // 4, 1), device=device)
+    result = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def roundtrip(out: torch.Tensor) -> None:  # rank 0 sends `out`, rank 1 answers one float
+        if rank == 0:
+            dist.send(out, 1)
+            dist.recv(small, 1)
+        else:
+            dist.recv(out, 0)
+            dist.send(small, 0)
+
+    if rank in (0, 1):
+        latency = _timed(lambda: roundtrip(small), device, 10 * repeats) / 2
+        transfer = _timed(lambda: roundtrip(big), device, repeats)
+        moved = transfer - 2 * latency
+        result[0], result[1] = latency, big.numel() * 4 / (moved if moved > 0 else transfer)
+    dist.broadcast(result, src=0)
+    return float(result[0]), float(result[1])
+
+
+def _allreduce(group_size: int, world: int, rank: int, sizes: Sequence[int], repeats: int,
+               device: torch.device) -> list[tuple[int, float]]:  # fmt: skip
+    """(bytes, seconds) of all-reduces in the data-parallel groups {s, s+P, s+2P, ...}, P = world/g.
+
+    Every group runs at once, as the stages' gradient all-reduces do; the slowest group counts.
+    """
+    stride = world // group_size
+    groups = [dist.new_group([s + r * stride for r in range(group_size)]) for s in range(stride)]
+    mine = groups[rank % stride]
+    dist.all_reduce(torch.zeros(1, device=device), group=mine)  # a new group connects lazily
+    times = torch.zeros(len(sizes), dtype=torch.float64, device=device)
+    for i, nbytes in enumerate(sizes):
+        buf = torch.zeros(max(nbytes // 4, 1), device=device)
+        dist.barrier()
+        times[i] = _timed(lambda b=buf: dist.all_reduce(b, group=mine), device, repeats)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    for group in groups:
+        dist.destroy_process_group(group)
+    return [(int(b), float(t)) for b, t in zip(sizes, times.tolist())]
+
+
+def profile_network(
+    *,
+    sizes: Sequence[int] = NETWORK_SIZES,
+    group_sizes: Sequence[int] | None = None,
+    p2p_bytes: int = 2**22,
+    repeats: int = 3,
+) -> NetworkCost:
+    """Measure point-to-point and all-reduce costs; a collective call on every rank of the job.
+
+    Latency is half a round trip of one float between ranks 0 and 1; bandwidth comes from a
+    `p2p_bytes` message. For every group size g (default: each divisor of the world size >= 2) the
+    all-reduce of each size in `sizes` (bytes) runs in the groups of the stage layout. Every rank
+    returns the same result. Takes a few seconds.
+    """
+    if not dist.is_initialized():
+        raise ConfigError(
+            "profile_network() is collective: call it on every rank of a job, after "
+            "varuna.distributed.init_distributed() (or run under `varuna run` / `varuna profile`)"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        raise ConfigError(
+            f"measuring the network needs >= 2 ranks, the job has {world}; use --gpus 2 or more"
+        )
+    wanted = (
+        sorted(set(group_sizes))
+        if group_sizes is not None
+        else [g for g in range(2, world + 1) if world % g == 0]
+    )
+    bad = [g for g in wanted if g < 2 or world % g]
+    if bad or not wanted:
+        raise ConfigError(
+            f"group_sizes {list(group_sizes or [])}: each must be >= 2 and divide the world size {world}"
+        )
+    device = _comm_device()
+    latency, bandwidth = _p2p(rank, device, p2p_bytes, repeats)
+    curves = {g: _allreduce(g, world, rank, sizes, repeats, device) for g in wanted}
+    return NetworkCost(p2p_latency_s=latency, p2p_bandwidth_Bps=bandwidth, allreduce=curves)

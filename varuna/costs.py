@@ -1,0 +1,350 @@
+"""The cost table: what the profiler measured, and all the planner reads.
+
+Measurement is separate from decision: `varuna profile` fills a `CostTable` and saves it as JSON in
+the run directory; `varuna.plan` and the simulator are pure functions of it. Costs are per *segment*
+(the code between two CutPoints) and per micro-batch size, so the planner can try any partition:
+
+    segments:  [0] c0 [1] c1 [2] c2 [3]        SegmentCost j: forward/backward seconds of [j],
+                                               bytes of the value it hands to cut c_j, memory
+
+    table = CostTable.load("runs/gpt/profile.json")
+    table.segments[0].forward_s[4]              # seconds for a micro-batch of 4
+    table.network.allreduce_time(2**20, 4)      # 1 MiB over 4 replicas, interpolated
+
+The JSON form (`to_json`) is a plain dict; integer keys (micro-batch sizes, group sizes) become
+strings, as JSON requires, and `from_json` turns them back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from varuna.errors import ConfigError
+
+__all__ = ["SegmentCost", "NetworkCost", "CostTable", "model_signature", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+def _int_keys(data: Mapping[Any, Any], what: str) -> dict[int, Any]:
+    try:
+        return {int(k): v for k, v in data.items()}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what}: keys must be micro-batch sizes (integers), got {list(data)}") from exc
+
+
+def _check_per_size(table: Mapping[int, float], what: str) -> None:
+    for size, value in table.items():
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{what}: micro-batch size {size!r} must be a positive integer")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{what}[{size}] = {value!r}; it must be a finite number >= 0")
+
+
+def _field(data: Mapping[str, Any], name: str, what: str) -> Any:
+    if name not in data:
+        raise ConfigError(f"{what} is missing the field {name!r}; re-run `varuna profile` to write a new one")
+    return data[name]
+
+
+@dataclass(kw_only=True, slots=True)
+class SegmentCost:
+    """Measured costs of one segment, per micro-batch size."""
+
+    forward_s: dict[int, float]
+    """Micro-batch size -> seconds of the forward pass."""
+    backward_s: dict[int, float]
+    """Micro-batch size -> seconds of the backward pass."""
+    activation_bytes: dict[int, int]
+    """Micro-batch size -> bytes of the value leaving this segment at its cut (0 for the last segment)."""
+    activation_memory_bytes: dict[int, int]
+    """Micro-batch size -> bytes of activations the segment holds for its backward, per micro-batch."""
+    param_bytes: int
+    """Bytes of the parameters this segment uses (a tied weight counted once, in its first segment)."""
+    grad_bytes: int
+    """Bytes of their gradients (also what the data-parallel all-reduce moves)."""
+    optimizer_bytes: int
+    """Bytes of optimizer state for them (e.g. 2 x param_bytes for Adam in fp32)."""
+    recompute_s: dict[int, float] | None = None
+    """Micro-batch size -> seconds of a recomputed forward; None means the same as `forward_s`."""
+
+    def __post_init__(self) -> None:
+        sizes = set(self.forward_s)
+        for name in ("forward_s", "backward_s", "activation_bytes", "activation_memory_bytes", "recompute_s"):
+            table = getattr(self, name)
+            if table is None:
+                continue
+            _check_per_size(table, f"SegmentCost.{name}")
+            if set(table) != sizes:
+                raise ConfigError(
+                    f"SegmentCost.{name} has micro-batch sizes {sorted(table)} but forward_s has "
+                    f"{sorted(sizes)}; every per-size table must cover the same sizes"
+                )
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"SegmentCost.{name} = {getattr(self, name)}; bytes cannot be negative")
+
+    def recompute_at(self, mbs: int) -> float:
+        """Seconds to recompute the forward of one micro-batch of size `mbs`."""
+        return (self.recompute_s or self.forward_s)[mbs]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (integer keys as strings)."""
+
+        def keyed(table: Mapping[int, float] | None) -> dict[str, float] | None:
+            return None if table is None else {str(k): v for k, v in sorted(table.items())}
+
+        return {
+            "forward_s": keyed(self.forward_s),
+            "backward_s": keyed(self.backward_s),
+            "recompute_s": keyed(self.recompute_s),
+            "activation_bytes": keyed(self.activation_bytes),
+            "activation_memory_bytes": keyed(self.activation_memory_bytes),
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SegmentCost:
+        """Inverse of `to_json`."""
+        what = "a segment of the profile"
+        recompute = data.get("recompute_s")
+        return cls(
+            forward_s={
+                k: float(v) for k, v in _int_keys(_field(data, "forward_s", what), "forward_s").items()
+            },
+            backward_s={
+                k: float(v) for k, v in _int_keys(_field(data, "backward_s", what), "backward_s").items()
+            },
+            recompute_s=None
+            if recompute is None
+            else {k: float(v) for k, v in _int_keys(recompute, "recompute_s").items()},
+            activation_bytes={
+                k: int(v)
+                for k, v in _int_keys(_field(data, "activation_bytes", what), "activation_bytes").items()
+            },
+            activation_memory_bytes={
+                k: int(v)
+                for k, v in _int_keys(
+                    _field(data, "activation_memory_bytes", what), "activation_memory_bytes"
+                ).items()
+            },
+            param_bytes=int(_field(data, "param_bytes", what)),
+            grad_bytes=int(_field(data, "grad_bytes", what)),
+            optimizer_bytes=int(_field(data, "optimizer_bytes", what)),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkCost:
+    """Measured communication costs between devices."""
+
+    p2p_latency_s: float
+    """Seconds of a minimal point-to-point message between neighbouring stages."""
+    p2p_bandwidth_Bps: float
+    """Point-to-point bandwidth, bytes per second."""
+    allreduce: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    """Group size -> measured (bytes, seconds) points of an all-reduce over that many ranks."""
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.p2p_latency_s) or self.p2p_latency_s < 0:
+            raise ConfigError(f"NetworkCost.p2p_latency_s = {self.p2p_latency_s!r}; it must be >= 0 seconds")
+        if not math.isfinite(self.p2p_bandwidth_Bps) or self.p2p_bandwidth_Bps <= 0:
+            raise ConfigError(
+                f"NetworkCost.p2p_bandwidth_Bps = {self.p2p_bandwidth_Bps!r}; it must be > 0 bytes/s"
+            )
+        for group, points in self.allreduce.items():
+            if not isinstance(group, int) or group < 2:
+                raise ConfigError(f"NetworkCost.allreduce: group size {group!r} must be an integer >= 2")
+            if not points:
+                raise ConfigError(f"NetworkCost.allreduce[{group}] has no measured points")
+            sizes = [b for b, _ in points]
+            if len(set(sizes)) != len(sizes) or any(b < 0 for b in sizes) or any(t < 0 for _, t in points):
+                raise ConfigError(
+                    f"NetworkCost.allreduce[{group}] = {points}: give distinct byte sizes >= 0 "
+                    "with seconds >= 0"
+                )
+            self.allreduce[group] = sorted((int(b), float(t)) for b, t in points)
+
+    def p2p_time(self, nbytes: int) -> float:
+        """Seconds to move `nbytes` between neighbouring stages: latency + bytes / bandwidth."""
+        return self.p2p_latency_s + nbytes / self.p2p_bandwidth_Bps
+
+    def allreduce_time(self, nbytes: int, group: int) -> float:
+        """Seconds of an all-reduce of `nbytes` over `group` ranks (0 for a group of one).
+
+        Interpolates the measured points of that group size linearly in bytes; below the smallest
+        measurement it returns that measurement (latency bound), above the largest it extrapolates
+        with the last slope. An unmeasured group size scales the nearest measured one by the ring
+        all-reduce's traffic factor 2(g-1)/g; with no measurement at all it uses that ring model
+        over the point-to-point latency and bandwidth.
+        """
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        ring = 2.0 * (group - 1) / group
+        if not self.allreduce:
+            return 2 * (group - 1) * self.p2p_latency_s + ring * nbytes / self.p2p_bandwidth_Bps
+        if group in self.allreduce:
+            return _interpolate(self.allreduce[group], nbytes)
+        near = min(self.allreduce, key=lambda g: (abs(g - group), -g))
+        return _interpolate(self.allreduce[near], nbytes) * ring / (2.0 * (near - 1) / near)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (group sizes as strings)."""
+        return {
+            "p2p_latency_s": self.p2p_latency_s,
+            "p2p_bandwidth_Bps": self.p2p_bandwidth_Bps,
+            "allreduce": {str(g): [[b, t] for b, t in pts] for g, pts in sorted(self.allreduce.items())},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> NetworkCost:
+        """Inverse of `to_json`."""
+        what = "the profile's network section"
+        allreduce = _int_keys(data.get("allreduce", {}), "allreduce")
+        return cls(
+            p2p_latency_s=float(_field(data, "p2p_latency_s", what)),
+            p2p_bandwidth_Bps=float(_field(data, "p2p_bandwidth_Bps", what)),
+            allreduce={g: [(int(b), float(t)) for b, t in pts] for g, pts in allreduce.items()},
+        )
+
+
+def _interpolate(points: Sequence[tuple[int, float]], nbytes: int) -> float:
+    b_first, t_first = points[0]
+    if nbytes <= b_first:
+        return t_first
+    if len(points) == 1:
+        return t_first * nbytes / b_first if b_first > 0 else t_first
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if nbytes <= b1:
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = points[-2], points[-1]
+    return max(t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0), t1)
+
+
+@dataclass(kw_only=True, slots=True)
+class CostTable:
+    """Everything the planner needs about one model on one kind of device."""
+
+    model_signature: str
+    """`model_signature(model)` of the profiled model; the planner refuses a table of another model."""
+    segments: list[SegmentCost]
+    """One entry per segment, in order (K CutPoints give K+1 segments)."""
+    network: NetworkCost
+    """Point-to-point and all-reduce costs."""
+    micro_batch_sizes: list[int]
+    """The micro-batch sizes profiled; every segment has costs for each."""
+    device: str = "cpu"
+    """Where it was measured, e.g. "cpu" or "cuda:NVIDIA H100"."""
+    precision: str = "fp32"
+    """The engine precision profiled: "fp32", "bf16" or "fp16"."""
+    created: float = 0.0
+    """Unix time of the measurement."""
+    tied_bytes: int = 0
+    """Bytes of weights tied across the first and last stage, summed between them every step."""
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise ConfigError("CostTable.segments is empty; a profile needs at least one segment")
+        if not self.micro_batch_sizes or any(m < 1 for m in self.micro_batch_sizes):
+            raise ConfigError(
+                f"CostTable.micro_batch_sizes = {self.micro_batch_sizes}; give one or more sizes >= 1"
+            )
+        if len(set(self.micro_batch_sizes)) != len(self.micro_batch_sizes):
+            raise ConfigError(f"CostTable.micro_batch_sizes = {self.micro_batch_sizes} repeats a size")
+        self.micro_batch_sizes = sorted(self.micro_batch_sizes)
+        for j, seg in enumerate(self.segments):
+            missing = sorted(set(self.micro_batch_sizes) - set(seg.forward_s))
+            if missing:
+                raise ConfigError(
+                    f"segment {j} has no costs for micro-batch sizes {missing} (it has "
+                    f"{sorted(seg.forward_s)}); re-profile, or drop them from micro_batch_sizes"
+                )
+        if self.tied_bytes < 0:
+            raise ConfigError(f"CostTable.tied_bytes = {self.tied_bytes}; bytes cannot be negative")
+
+    @property
+    def num_segments(self) -> int:
+        """How many segments the model has (at most this many pipeline stages)."""
+        return len(self.segments)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict with a format version."""
+        return {
+            "version": FORMAT_VERSION,
+            "model_signature": self.model_signature,
+            "device": self.device,
+            "precision": self.precision,
+            "created": self.created,
+            "micro_batch_sizes": list(self.micro_batch_sizes),
+            "tied_bytes": self.tied_bytes,
+            "network": self.network.to_json(),
+            "segments": [s.to_json() for s in self.segments],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CostTable:
+        """Inverse of `to_json`; raises ConfigError naming what is missing or of another version."""
+        what = "the profile"
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a profile is a JSON object, got {type(data).__name__}")
+        version = data.get("version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ConfigError(
+                f"the profile has format version {version}, this varuna reads {FORMAT_VERSION}; "
+                "re-run `varuna profile`"
+            )
+        return cls(
+            model_signature=str(_field(data, "model_signature", what)),
+            segments=[SegmentCost.from_json(s) for s in _field(data, "segments", what)],
+            network=NetworkCost.from_json(_field(data, "network", what)),
+            micro_batch_sizes=[int(m) for m in _field(data, "micro_batch_sizes", what)],
+            device=str(data.get("device", "cpu")),
+            precision=str(data.get("precision", "fp32")),
+            created=float(data.get("created", 0.0)),
+            tied_bytes=int(data.get("tied_bytes", 0)),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        """Write the table as JSON (via a temporary file, so a reader never sees half of it)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        """Read a table written by `save`; ConfigError if it is missing or unreadable."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"no profile at {path}; run `varuna profile` first, or pass the right --profile"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}); re-run `varuna profile`") from exc
+        return cls.from_json(data)
+
+
+def model_signature(model: Any) -> str:
+    """A short hash of a model's parameter names and shapes, in registration order.
+
+    `model` is an `nn.Module` (anything with `named_parameters()`) or an iterable of
+    `(name, shape)` pairs; two models with the same architecture give the same signature.
+    """
+    if hasattr(model, "named_parameters"):
+        pairs: Iterable[tuple[str, Sequence[int]]] = ((n, p.shape) for n, p in model.named_parameters())
+    else:
+        pairs = model
+    text = json.dumps([[str(n), [int(d) for d in shape]] for n, shape in pairs])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

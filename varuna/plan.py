@@ -1,0 +1,424 @@
+"""The planner: every P x D x micro-batch size x schedule x recompute for N devices, ranked.
+
+A pure function of a `CostTable` and the resources. For each shape with P x D == gpus it balances
+the segments into P stages (`varuna.partition.balance` on forward+backward time), simulates the
+very action lists the runtime would execute (`varuna.simulate`), estimates memory per stage, and
+either ranks the configuration by predicted step time or says why it was rejected:
+
+    result = plan(CostTable.load("runs/gpt/profile.json"), gpus=8, memory_bytes=parse_memory("16GiB"),
+                  global_batch_size=32)
+    best = result.ranked[0]           # Candidate(pipeline=4, data=2, micro_batch_size=2, ...)
+    best.timeline.to_events()         # the predicted step, to draw over the measured one
+    result.rejected[0].reason         # "out of memory: stage 0 needs 17.2 GiB > 16 GiB"
+
+Memory per stage = parameters + gradients + optimizer state of its segments + the activations it
+holds at its peak: the simulated peak number of micro-batches in flight (GPipe: M, 1F1B: min(P-s,
+M), Varuna's pull-ahead may hold more) times one micro-batch's activations; with recompute only each
+held micro-batch's stage input plus one micro-batch's full activations (the last stage never
+recomputes, as in the runtime).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from varuna.costs import CostTable
+from varuna.errors import ConfigError
+from varuna.partition import balance
+from varuna.schedule import SCHEDULES, ScheduleName
+from varuna.simulate import StageCost, Timeline, simulate
+
+__all__ = ["PlanError", "Candidate", "Rejected", "PlanResult", "plan", "parse_memory", "format_bytes"]
+
+RejectKind = Literal["memory", "batch", "stages"]
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_STEP_ALLREDUCE_BYTES = 64  # the per-step loss / overflow / stop-flag all-reduce
+
+
+class PlanError(ConfigError):
+    """The planner cannot answer: bad resources, a profile of another model, nothing fits."""
+
+
+def parse_memory(text: str | int) -> int:
+    """Bytes in a size like "16GiB", "80 GB", "512MiB" or a plain number of bytes.
+
+    >>> parse_memory("16GiB")
+    17179869184
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _MEMORY_RE.match(text)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS and unit not in ("", "k", "m", "g", "t"):
+            raise PlanError(
+                f"cannot read the memory size {text!r}: give a number and a unit, e.g. 16GiB, 80GB or "
+                "512MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M, G, T mean KiB ... TiB)"
+            )
+        unit = {"": "b", "k": "kib", "m": "mib", "g": "gib", "t": "tib"}.get(unit, unit)
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise PlanError(f"the memory limit must be more than 0 bytes, got {text!r}; pass e.g. --memory 16GiB")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """A byte count for people: "17.2 GiB", "512.0 MiB", "80 B"."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(kw_only=True, slots=True)
+class Candidate:
+    """One configuration that fits, with its prediction."""
+
+    pipeline: int
+    """Pipeline depth P (stages)."""
+    data: int
+    """Data-parallel replicas D."""
+    micro_batch_size: int
+    """Samples per micro-batch."""
+    num_microbatches: int
+    """Micro-batches per replica per step, M = global batch / (D x mbs)."""
+    schedule: ScheduleName
+    """"gpipe", "1f1b" or "varuna"."""
+    recompute: bool
+    """Whether non-last stages recompute activations before the backward."""
+    boundaries: tuple[int, ...]
+    """The P-1 CutPoint indices ending stages 0..P-2 (`Varuna(partition=...)`)."""
+    predicted_step_s: float
+    """Simulated seconds per step."""
+    samples_per_s: float
+    """Global batch / predicted step time."""
+    bubble_fraction: float
+    """Simulated idle fraction of the step."""
+    memory_per_stage_bytes: list[int]
+    """Estimated peak bytes on each stage's device."""
+    timeline: Timeline = field(repr=False)
+    """The simulated step, for drawing."""
+
+    @property
+    def max_memory_bytes(self) -> int:
+        """The largest per-device requirement."""
+        return max(self.memory_per_stage_bytes)
+
+    def to_json(self, *, include_timeline: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict; `include_timeline` adds the predicted spans (`Timeline.to_events`)."""
+        out: dict[str, Any] = {
+            "pipeline": self.pipeline,
+            "data": self.data,
+            "micro_batch_size": self.micro_batch_size,
+            "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule,
+            "recompute": self.recompute,
+            "boundaries": list(self.boundaries),
+            "predicted_step_s": self.predicted_step_s,
+            "samples_per_s": self.samples_per_s,
+            "bubble_fraction": self.bubble_fraction,
+            "memory_per_stage_bytes": list(self.memory_per_stage_bytes),
+        }
+        if include_timeline:
+            out["timeline"] = self.timeline.to_events()
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class Rejected:
+    """A configuration the planner ruled out; None fields mean "every value" (e.g. every schedule)."""
+
+    pipeline: int
+    data: int
+    micro_batch_size: int | None = None
+    schedule: ScheduleName | None = None
+    recompute: bool | None = None
+    kind: RejectKind
+    """"memory" (does not fit), "batch" (global batch not divisible), "stages" (P > segments)."""
+    reason: str
+    """What ruled it out, e.g. "out of memory: stage 1 needs 17.2 GiB > 16.0 GiB"."""
+    memory_bytes: int | None = None
+    """For "memory": the largest per-stage requirement."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            k: getattr(self, k)
+            for k in ("pipeline", "data", "micro_batch_size", "schedule", "recompute", "kind", "reason")
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanResult:
+    """Ranked candidates (best first) and the rejected configurations with their reasons."""
+
+    ranked: list[Candidate]
+    rejected: list[Rejected]
+    gpus: int
+    memory_bytes: int
+    global_batch_size: int
+
+    @property
+    def best(self) -> Candidate:
+        """The configuration with the shortest predicted step."""
+        return self.ranked[0]
+
+    def to_json(self, *, top: int | None = None) -> dict[str, Any]:
+        """A JSON-ready dict: the inputs, the first `top` ranked candidates and all rejections."""
+        return {
+            "gpus": self.gpus,
+            "memory_bytes": self.memory_bytes,
+            "global_batch_size": self.global_batch_size,
+            "ranked": [c.to_json() for c in self.ranked[:top]],
+            "rejected": [r.to_json() for r in self.rejected],
+        }
+
+    def format(self, *, top: int = 10) -> str:
+        """The ranked table and the rejections grouped by kind, as `varuna plan` prints them."""
+        head = (
+            "#",
+            "P",
+            "D",
+            "mbs",
+            "M",
+            "schedule",
+            "recompute",
+            "step s",
+            "samples/s",
+            "bubble",
+            "max mem",
+        )
+        rows = [
+            (
+                str(i + 1),
+                str(c.pipeline),
+                str(c.data),
+                str(c.micro_batch_size),
+                str(c.num_microbatches),
+                c.schedule,
+                "yes" if c.recompute else "no",
+                f"{c.predicted_step_s:.4g}",
+                f"{c.samples_per_s:.4g}",
+                f"{100 * c.bubble_fraction:.1f}%",
+                format_bytes(c.max_memory_bytes),
+            )
+            for i, c in enumerate(self.ranked[:top])
+        ]
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        lines = [
+            f"{len(self.ranked)} configurations fit {self.gpus} devices of {format_bytes(self.memory_bytes)} "
+            f"(global batch {self.global_batch_size}); best first:"
+        ]
+        lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [head, *rows]]
+        if len(self.ranked) > top:
+            lines.append(f"... and {len(self.ranked) - top} more (--top N shows more)")
+        if self.rejected:
+            lines.append(f"{len(self.rejected)} rejected:")
+            for kind, label in (
+                ("memory", "out of memory"),
+                ("batch", "batch"),
+                ("stages", "too many stages"),
+            ):
+                group = [r for r in self.rejected if r.kind == kind]
+                if group:
+                    lines.append(f"  {len(group)} {label}, e.g. P={group[0].pipeline}: {group[0].reason}")
+        return "\n".join(lines)
+
+
+def _stage_ranges(boundaries: Sequence[int], num_segments: int) -> list[range]:
+    starts = [0, *(b + 1 for b in boundaries)]
+    ends = [*(b + 1 for b in boundaries), num_segments]
+    return [range(a, b) for a, b in zip(starts, ends)]
+
+
+def _check_inputs(gpus: int, global_batch_size: int) -> None:
+    if gpus < 1:
+        raise PlanError(f"zero GPUs: gpus must be at least 1, got {gpus}; pass --gpus N with N >= 1")
+    if global_batch_size < 1:
+        raise PlanError(f"global_batch_size must be at least 1, got {global_batch_size}")
+
+
+def plan(
+    table: CostTable,
+    *,
+    gpus: int,
+    memory_bytes: int | str,
+    global_batch_size: int,
+    schedules: Sequence[ScheduleName] = ("gpipe", "1f1b", "varuna"),
+    recompute_options: Sequence[bool] = (False, True),
+    model_signature: str | None = None,
+) -> PlanResult:
+    """Rank every configuration for `gpus` devices of `memory_bytes` (or "16GiB") each.
+
+    See the module docstring for the model. With P=1 recompute changes nothing (the last stage never
+    recomputes), so P=1 candidates carry recompute=False.
+
+    Raises PlanError for zero GPUs, a table whose `model_signature` differs from the given one,
+    unknown schedules, or when no configuration is left (saying which setting to change).
+    """
+    _check_inputs(gpus, global_batch_size)
+    memory_bytes = parse_memory(memory_bytes)
+    if model_signature is not None and model_signature != table.model_signature:
+        raise PlanError(
+            f"a profile from another model: the profile's model signature is {table.model_signature}, "
+            f"this model's is {model_signature}; re-run `varuna profile` for this model"
+        )
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown or not schedules:
+        raise PlanError(f"unknown schedules {unknown or '(none given)'}; choose from {', '.join(SCHEDULES)}")
+    ranked: list[Candidate] = []
+    rejected: list[Rejected] = []
+    n = table.num_segments
+    for pipeline in (p for p in range(1, gpus + 1) if gpus % p == 0):
+        data = gpus // pipeline
+        if pipeline > n:
+            reason = f"P={pipeline} > {n} segments (add CutPoints to cut the model finer)"
+            rejected.append(Rejected(pipeline=pipeline, data=data, kind="stages", reason=reason))
+            continue
+        for mbs in table.micro_batch_sizes:
+            if global_batch_size % (data * mbs):
+                reason = f"global batch {global_batch_size} not divisible by D x mbs = {data} x {mbs}"
+                rejected.append(
+                    Rejected(pipeline=pipeline, data=data, micro_batch_size=mbs, kind="batch", reason=reason)
+                )
+                continue
+            for schedule in schedules:
+                for recompute in dict.fromkeys(bool(r) and pipeline > 1 for r in recompute_options):
+                    cand = _evaluate(table, pipeline, data, mbs, schedule, recompute, global_batch_size)
+                    need = cand.max_memory_bytes
+                    if need <= memory_bytes:
+                        ranked.append(cand)
+                        continue
+                    worst = cand.memory_per_stage_bytes.index(need)
+                    reason = f"out of memory: stage {worst} needs {format_bytes(need)} > {format_bytes(memory_bytes)}"
+                    rejected.append(
+                        Rejected(
+                            pipeline=pipeline,
+                            data=data,
+                            micro_batch_size=mbs,
+                            schedule=schedule,
+                            recompute=recompute,
+                            kind="memory",
+                            reason=reason,
+                            memory_bytes=need,
+                        )
+                    )
+    ranked.sort(key=lambda c: (c.predicted_step_s, c.max_memory_bytes, c.pipeline, -c.micro_batch_size))
+    if not ranked:
+        raise PlanError(_nothing_fits(rejected, gpus, memory_bytes, global_batch_size))
+    return PlanResult(
+        ranked=ranked,
+        rejected=rejected,
+        gpus=gpus,
+        memory_bytes=memory_bytes,
+        global_batch_size=global_batch_size,
+    )
+
+
+def _nothing_fits(rejected: list[Rejected], gpus: int, memory_bytes: int, global_batch_size: int) -> str:
+    memory = [r for r in rejected if r.kind == "memory"]
+    if memory:
+        r = min(memory, key=lambda r: r.memory_bytes or 0)
+        how = "with recompute" if r.recompute else "without recompute"
+        return (
+            f"nothing fits in {format_bytes(memory_bytes)} per device: the smallest requirement is "
+            f"{format_bytes(r.memory_bytes or 0)} (P={r.pipeline}, D={r.data}, micro-batch size "
+            f"{r.micro_batch_size}, {r.schedule} {how}); raise --memory to at least that, use more GPUs, "
+            "or profile smaller micro-batch sizes"
+        )
+    reasons = "; ".join(dict.fromkeys(r.reason for r in rejected))
+    return (
+        f"no configuration for {gpus} GPUs and global batch {global_batch_size}: {reasons}; change the "
+        "global batch size, the GPU count, or the micro-batch sizes profiled"
+    )
+
+
+def _evaluate(
+    table: CostTable,
+    pipeline: int,
+    data: int,
+    mbs: int,
+    schedule: ScheduleName,
+    recompute: bool,
+    global_batch_size: int,
+) -> Candidate:
+    segs = table.segments
+    num_microbatches = global_batch_size // (data * mbs)
+    boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
+    stages = _stage_ranges(boundaries, len(segs))
+    costs = [
+        StageCost(
+            forward_s=sum(segs[j].forward_s[mbs] for j in r),
+            backward_s=sum(segs[j].backward_s[mbs] for j in r),
+            recompute_s=sum(segs[j].recompute_at(mbs) for j in r),
+        )
+        for r in stages
+    ]
+    net = table.network
+    comm = [net.p2p_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]]
+    reduce = [net.allreduce_time(sum(segs[j].grad_bytes for j in r), data) for r in stages]
+    if pipeline > 1 and table.tied_bytes:
+        tied = net.allreduce_time(table.tied_bytes, 2 * data)
+        reduce[0] += tied
+        reduce[-1] += tied
+    timeline = simulate(
+        schedule,
+        pipeline,
+        num_microbatches,
+        costs,
+        comm=comm,
+        allreduce_s=reduce,
+        final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, pipeline * data),
+        recompute=recompute,
+    )
+    return Candidate(
+        pipeline=pipeline,
+        data=data,
+        micro_batch_size=mbs,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        recompute=recompute,
+        boundaries=boundaries,
+        predicted_step_s=timeline.step_s,
+        samples_per_s=global_batch_size / timeline.step_s if timeline.step_s > 0 else float("inf"),
+        bubble_fraction=timeline.bubble_fraction,
+        memory_per_stage_bytes=_memory(table, stages, mbs, recompute, timeline.peak_inflight),
+        timeline=timeline,
+    )
+
+
+def _memory(
+    table: CostTable, stages: list[range], mbs: int, recompute: bool, inflight: list[int]
+) -> list[int]:
+    segs = table.segments
+    total_params = sum(s.param_bytes for s in segs)
+    state_per_param = sum(s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in segs) / max(
+        total_params, 1
+    )
+    out = []
+    for s, r in enumerate(stages):
+        static = sum(segs[j].param_bytes + segs[j].grad_bytes + segs[j].optimizer_bytes for j in r)
+        if s == len(stages) - 1 and s > 0:
+            static += int(table.tied_bytes * state_per_param)  # the last stage's copy of the tied weights
+        full = sum(segs[j].activation_memory_bytes[mbs] for j in r)
+        if recompute and s < len(stages) - 1:
+            held_input = segs[r[0] - 1].activation_bytes[mbs] if s > 0 else 0
+            activations = inflight[s] * held_input + full
+        else:
+            activations = inflight[s] * full
+        out.append(static + activations)
+    return out

@@ -1,0 +1,328 @@
+"""Discrete-event simulation of the lowered action lists the runtime executes.
+
+One source of truth for schedules: `simulate` times exactly `lower(make_schedule(...))`, the lists
+`varuna.runtime.StageRuntime` runs, with per-stage compute costs, a transfer time per stage boundary
+and each stage's gradient all-reduce. Rules, as in the runtime:
+
+    F, B, R      take the stage's forward / backward / recompute seconds
+    SEND_F/B     cost the sender nothing; the value arrives after the boundary's transfer time
+                 (a link carries one transfer per direction at a time, so back-to-back sends queue)
+    RECV_F/B     complete at max(now, arrival); the wait is idle time
+    ALLREDUCE    takes the stage's all-reduce seconds; the step ends when every stage is done,
+                 plus one small all-reduce (`final_allreduce_s`)
+    opportunistic  (default for "varuna") when the next action is RECV_B(m), that gradient has not
+                 arrived and the next forward's input has (stage 0: always), run that forward's
+                 RECV_F, F, SEND_F first; a value arriving exactly when the stage looks counts as
+                 there, and once the stage waits in RECV_B it waits until that gradient arrives
+
+For P=2, M=1, f=1, b=2 and a transfer of c on the boundary (times in the picture):
+
+    stage 0 | F0 [0,1]  RECV_B0 waits [1, 4+2c]  B0 [4+2c, 6+2c]
+    stage 1 | RECV_F0 waits [0, 1+c]  F0 [1+c, 2+c]  B0 [2+c, 4+c]      step = 6 + 2c
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from varuna.errors import ScheduleError
+from varuna.schedule import COMPUTE_KINDS, Action, Schedule, ScheduleName, lower, make_schedule
+
+__all__ = ["StageCost", "Span", "Timeline", "simulate", "simulate_lowered"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCost:
+    """Seconds one stage spends on one micro-batch (uniform over micro-batches)."""
+
+    forward_s: float
+    """Forward pass."""
+    backward_s: float
+    """Backward pass."""
+    recompute_s: float | None = None
+    """Recomputed forward before the backward; None means `forward_s`."""
+
+    def seconds(self, kind: str) -> float:
+        """The cost of a compute action of `kind` ("F", "B" or "R")."""
+        if kind == "F":
+            return self.forward_s
+        if kind == "B":
+            return self.backward_s
+        return self.forward_s if self.recompute_s is None else self.recompute_s
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One simulated action: the same fields as `varuna.runtime.Span`, times from the step's start."""
+
+    kind: str
+    microbatch: int | None
+    start: float
+    end: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Timeline:
+    """A predicted step: what each stage does when, and where the time goes."""
+
+    schedule: str
+    """Schedule name ("gpipe", "1f1b", "varuna" or "custom")."""
+    num_microbatches: int
+    """Micro-batches per replica in the step."""
+    spans: list[list[Span]]
+    """Per stage, every executed action in execution order (sends as zero-length spans)."""
+    step_s: float
+    """Predicted step time: last stage's all-reduce end plus the final small all-reduce."""
+    busy_s: list[float]
+    """Per stage, seconds of compute (F, B, R)."""
+    allreduce_s: list[float]
+    """Per stage, seconds of its gradient all-reduce."""
+    idle_s: list[float]
+    """Per stage, the rest of the step: waiting for activations, gradients, other stages."""
+    bubble_fraction: float
+    """1 - total compute / (P x step_s)."""
+    peak_inflight: list[int] = field(default_factory=list)
+    """Per stage, the most micro-batches forwarded and not yet backwarded at once."""
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth P."""
+        return len(self.spans)
+
+    def to_events(self, *, include_comm: bool = True) -> list[dict[str, Any]]:
+        """The spans as plain dicts, for drawing the prediction over a measured timeline.
+
+        One dict per action, ordered by stage then time:
+        `{"stage": 1, "kind": "F", "microbatch": 0, "start": 0.5, "end": 1.5, "predicted": True}`.
+        `kind` is the action kind (F, B, R, SEND_F, RECV_F, SEND_B, RECV_B, ALLREDUCE), as in the
+        runtime's measured spans; times are seconds from the start of the step (align them with a
+        measured step's start); `microbatch` is None for ALLREDUCE. `include_comm=False` keeps only
+        compute and all-reduce spans.
+        """
+        return [
+            {
+                "stage": s,
+                "kind": sp.kind,
+                "microbatch": sp.microbatch,
+                "start": sp.start,
+                "end": sp.end,
+                "predicted": True,
+            }
+            for s, spans in enumerate(self.spans)
+            for sp in spans
+            if include_comm or sp.kind in COMPUTE_KINDS or sp.kind == "ALLREDUCE"
+        ]
+
+
+def _per_stage(values: Sequence[float] | None, n: int, what: str) -> list[float]:
+    if values is None:
+        return [0.0] * n
+    out = [float(v) for v in values]
+    if len(out) != n or any(v < 0 for v in out):
+        raise ScheduleError(f"{what} needs {n} values >= 0 (one per {what.split()[-1]}), got {list(values)}")
+    return out
+
+
+def simulate(
+    schedule_name: ScheduleName,
+    num_stages: int,
+    num_microbatches: int,
+    stage_costs: Sequence[StageCost],
+    *,
+    comm: Sequence[float] | None = None,
+    allreduce_s: Sequence[float] | None = None,
+    final_allreduce_s: float = 0.0,
+    recompute: bool | None = None,
+    opportunistic: bool | None = None,
+) -> Timeline:
+    """Time one step of `schedule_name` on P stages with M micro-batches.
+
+    `stage_costs[s]` is stage s's per-micro-batch cost; `comm[s]` the seconds to move an activation
+    (or its gradient) across the boundary between stages s and s+1 (P-1 values, default 0);
+    `allreduce_s[s]` stage s's gradient all-reduce (default 0). `recompute` goes to `make_schedule`
+    (None: True for "varuna"); `opportunistic=None` means True for "varuna" only.
+
+        >>> t = simulate("gpipe", 2, 2, [StageCost(forward_s=1, backward_s=2)] * 2)
+        >>> t.step_s, t.bubble_fraction
+        (9.0, 0.33333333333333337)
+    """
+    schedule = lower(make_schedule(schedule_name, num_stages, num_microbatches, recompute=recompute))
+    return simulate_lowered(
+        schedule,
+        stage_costs,
+        comm=comm,
+        allreduce_s=allreduce_s,
+        final_allreduce_s=final_allreduce_s,
+        opportunistic=schedule_name == "varuna" if opportunistic is None else opportunistic,
+        name=schedule_name,
+        num_microbatches=num_microbatches,
+    )
+
+
+def simulate_lowered(
+    schedule: Schedule,
+    stage_costs: Sequence[StageCost],
+    *,
+    comm: Sequence[float] | None = None,
+    allreduce_s: Sequence[float] | None = None,
+    final_allreduce_s: float = 0.0,
+    opportunistic: bool = False,
+    name: str = "custom",
+    num_microbatches: int | None = None,
+) -> Timeline:
+    """Time any lowered schedule (as `varuna.schedule.lower` makes); see `simulate`."""
+    num_stages = len(schedule)
+    if len(stage_costs) != num_stages:
+        raise ScheduleError(
+            f"stage_costs has {len(stage_costs)} entries but the schedule has {num_stages} stages"
+        )
+    sim = _Simulation(
+        schedule,
+        stage_costs,
+        _per_stage(comm, num_stages - 1, "comm seconds per boundary"),
+        _per_stage(allreduce_s, num_stages, "allreduce_s per stage"),
+        opportunistic,
+    )
+    sim.run()
+    ends = [spans[-1].end if spans else 0.0 for spans in sim.spans]
+    step = max(ends, default=0.0) + final_allreduce_s
+    busy = [sum(sp.end - sp.start for sp in spans if sp.kind in COMPUTE_KINDS) for spans in sim.spans]
+    reduce = [sum(sp.end - sp.start for sp in spans if sp.kind == "ALLREDUCE") for spans in sim.spans]
+    if num_microbatches is None:
+        num_microbatches = sum(1 for a in schedule[0] if a.kind == "F")
+    return Timeline(
+        schedule=name,
+        num_microbatches=num_microbatches,
+        spans=sim.spans,
+        step_s=step,
+        busy_s=busy,
+        allreduce_s=reduce,
+        idle_s=[step - b - r for b, r in zip(busy, reduce)],
+        bubble_fraction=1.0 - sum(busy) / (num_stages * step) if step > 0 else 0.0,
+        peak_inflight=[_peak_inflight(spans) for spans in sim.spans],
+    )
+
+
+def _peak_inflight(spans: list[Span]) -> int:
+    held = peak = 0
+    for sp in spans:
+        held += (sp.kind == "F") - (sp.kind == "B")
+        peak = max(peak, held)
+    return peak
+
+
+class _Simulation:
+    """Advances each stage through its list; a stage stops where it must wait for another one.
+
+    A stage decides at its own clock t. "Has gradient m arrived by t?" is known once the sender has
+    sent it, or once the sender's clock plus the transfer already passes t (it can only send later).
+    Otherwise the stage is undecided and other stages run first. If every unfinished stage is
+    blocked or undecided, nothing more can be sent before the earliest undecided clock, so that
+    stage decides "not arrived": it pulls a forward whose input is here, or commits to its RECV_B.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        costs: Sequence[StageCost],
+        comm: list[float],
+        allreduce: list[float],
+        opportunistic: bool,
+    ) -> None:
+        self.queues = [list(schedule[s]) for s in range(len(schedule))]
+        self.costs = costs
+        self.comm = comm
+        self.allreduce = allreduce
+        self.opportunistic = opportunistic
+        self.clock = [0.0] * len(schedule)
+        self.spans: list[list[Span]] = [[] for _ in schedule]
+        self.arrival: dict[tuple[str, int, int], float] = {}  # (kind, receiving stage, mb) -> time
+        self.link_free: dict[tuple[str, int], float] = {}
+        self.committed: set[int] = set()  # stages decided to wait in their head RECV_B
+
+    def run(self) -> None:
+        while True:
+            progressed, undecided = False, []
+            for s in range(len(self.queues)):
+                while self.queues[s]:
+                    outcome = self._step(s, force=False)
+                    if outcome == "undecided":
+                        undecided.append(s)
+                    if outcome != "done":
+                        break
+                    progressed = True
+            if not any(self.queues):
+                return
+            if not progressed:
+                if not undecided:
+                    waiting = "; ".join(f"stage {s} at {q[0]}" for s, q in enumerate(self.queues) if q)
+                    raise ScheduleError(
+                        f"simulation deadlocked: {waiting}; check the schedule with validate()"
+                    )
+                first = min(undecided, key=lambda s: (self.clock[s], s))
+                self._step(first, force=True)
+
+    def _state(self, kind: str, s: int, m: int, t: float) -> str:
+        """Whether value (kind, m) bound for stage s is there at time t: "yes", "no" or "unknown"."""
+        key = (kind, s, m)
+        if key in self.arrival:
+            return "yes" if self.arrival[key] <= t else "no"
+        sender, boundary = (s - 1, s - 1) if kind == "F" else (s + 1, s)
+        return "no" if self.clock[sender] + self.comm[boundary] > t else "unknown"
+
+    def _next_forward(self, s: int, t: float) -> tuple[str, list[Action]]:
+        """The runtime's `_forward_ready`: the next forward group and whether its input is here."""
+        queue = self.queues[s]
+        for i, a in enumerate(queue):
+            if a.kind == "F":
+                group = [a]
+                if i > 0 and queue[i - 1].kind == "RECV_F":
+                    group.insert(0, queue[i - 1])
+                if i + 1 < len(queue) and queue[i + 1].kind == "SEND_F":
+                    group.append(queue[i + 1])
+                ready = "yes" if s == 0 else self._state("F", s, a.microbatch or 0, t)
+                return ready, group
+        return "no", []
+
+    def _step(self, s: int, *, force: bool) -> str:
+        """Run stage s's next action (or pulled-ahead group): "done", "blocked" or "undecided"."""
+        head, t = self.queues[s][0], self.clock[s]
+        if self.opportunistic and head.kind == "RECV_B" and s not in self.committed:
+            grad = self._state("B", s, head.microbatch or 0, t)
+            if grad != "yes":
+                ahead, group = self._next_forward(s, t)
+                if force:  # nothing unsent can arrive by t (see the class docstring)
+                    grad, ahead = "no", "yes" if ahead == "yes" else "no"
+                if ahead == "unknown" or (grad == "unknown" and ahead == "yes"):
+                    return "undecided"
+                if ahead == "yes":
+                    for a in group:
+                        self.queues[s].remove(a)
+                        self._execute(s, a)
+                    return "done"
+                self.committed.add(s)
+        if head.kind in ("RECV_F", "RECV_B") and (head.kind[-1], s, head.microbatch or 0) not in self.arrival:
+            return "blocked"
+        self.committed.discard(s)
+        self._execute(s, self.queues[s].pop(0))
+        return "done"
+
+    def _execute(self, s: int, a: Action) -> None:
+        t = self.clock[s]
+        m = a.microbatch or 0
+        end = t
+        if a.kind in COMPUTE_KINDS:
+            end = t + self.costs[s].seconds(a.kind)
+        elif a.kind == "ALLREDUCE":
+            end = t + self.allreduce[s]
+        elif a.kind in ("RECV_F", "RECV_B"):
+            end = max(t, self.arrival[(a.kind[-1], s, m)])
+        else:  # SEND_F / SEND_B: queue on the link, arrive after the transfer
+            to, boundary = (s + 1, s) if a.kind == "SEND_F" else (s - 1, s - 1)
+            link = (a.kind, boundary)
+            start = max(t, self.link_free.get(link, 0.0))
+            self.link_free[link] = self.arrival[(a.kind[-1], to, m)] = start + self.comm[boundary]
+        self.spans[s].append(Span(a.kind, a.microbatch, t, end))
+        self.clock[s] = end
