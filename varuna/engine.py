@@ -40,6 +40,7 @@ from varuna.partition import Partition, Trace, cut_names, make_partition, profil
 from varuna.precision import LossScaler, autocast_policy
 from varuna.runtime import StageRuntime, StepTimes
 from varuna.schedule import Action, lower, make_schedule, validate
+from varuna.telemetry import Telemetry  # telemetry
 
 __all__ = ["Varuna"]
 
@@ -199,6 +200,7 @@ class Varuna:
             self._resume(self._resume_path)
         if self.rank == 0 and cfg.run_dir is not None:
             self._write_engine_info()
+        self._telemetry = Telemetry.attach(self)  # telemetry: hello, ready; observes the runtime
 
     # construction ------------------------------------------------------------------------------
     def _example(self, example_batch: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -424,14 +426,23 @@ class Varuna:
         self._p2p.finish()
         grads = [p.grad for _, p in self._params if p.grad is not None]
         sumsq = self._local_sumsq()
+        want_ckpt = self._telemetry.poll()  # telemetry: rank 0's controller commands (stop sets stop_request)
+        # [loss, grad sum of squares, stop, checkpoint]: the one small all-reduce of every step
         flags = torch.tensor(
-            [float(sum(losses)) / M if losses else 0.0, sumsq, float(bool(self.stop_request))],
+            [
+                float(sum(losses)) / M if losses else 0.0,
+                sumsq,
+                float(bool(self.stop_request)),
+                float(want_ckpt),
+            ],
             dtype=torch.float64,
+            device=self.device,
         )
         if self.world_size > 1:
             dist.all_reduce(flags)
         times.comm_s += time.perf_counter() - t_wait
         loss, total_sq, stop = float(flags[0]) / cfg.data, float(flags[1]) / cfg.data, bool(flags[2] > 0)
+        want_ckpt = bool(flags[3] > 0)  # telemetry: a controller's checkpoint command, agreed by all ranks
         self.should_stop = stop
         overflow = self.scaler is not None and not math.isfinite(total_sq)
         self.last_step_skipped = overflow
@@ -472,6 +483,11 @@ class Varuna:
             # Checkpoint now (a preempted VM has seconds), exit at the next step() so that the script
             # still sees this step's loss.
             self._morph_exit = self.checkpoint()
+            self._telemetry.checkpoint_done(self.last_checkpoint, exiting=True)  # telemetry
+        self._telemetry.on_step(loss, times)  # telemetry
+        if want_ckpt and self._morph_exit is None:  # telemetry
+            self.checkpoint()  # telemetry
+            self._telemetry.checkpoint_done(self.last_checkpoint)  # telemetry
         return loss
 
     # checkpoints -------------------------------------------------------------------------------

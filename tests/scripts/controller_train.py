@@ -1,0 +1,35 @@
+"""A training script for the controller tests: a tiny GPT, STEPS steps, SLEEP seconds after each.
+
+    JobController.start([this, STEPS, SLEEP], pipeline=2, data=1)
+
+It resumes from VARUNA_RESUME (set by the controller on relaunch) and has no signal handling of its
+own: checkpoints, stops and morphs all come through the engine.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transparency_common import GLOBAL_BATCH, MICRO_BATCH, build, dataset, optimizer  # noqa: E402
+
+from varuna import Varuna  # noqa: E402
+from varuna.data import collate  # noqa: E402
+
+steps, pause = int(sys.argv[1]), float(sys.argv[2])
+data = dataset("gpt")
+engine = Varuna(
+    build("gpt"),
+    global_batch_size=GLOBAL_BATCH,
+    micro_batch_size=MICRO_BATCH,
+    partition="uniform",
+    example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
+)
+engine.set_optimizer(optimizer(engine.parameters()))
+for step in range(engine.step_count, steps):
+    loss = engine.step(engine.batch(data, step))
+    if engine.rank == 0:
+        print(f"step {step} loss {loss:.4f}", flush=True)
+    time.sleep(pause)

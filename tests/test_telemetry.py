@@ -1,0 +1,169 @@
+"""Telemetry in the workers (varuna/telemetry.py) and its formats (varuna/_events.py), in one process.
+
+Pure tests of signing and the events log first, then a 1x1 engine with a run directory: its
+events, the sampling switches, and a controller command acted on at the end of a step.
+"""
+
+from __future__ import annotations
+
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from varuna import Varuna, _events
+from varuna.data import SyntheticLM
+from varuna.models import GPT, gpt_tiny
+
+KEY = bytes.fromhex(_events.new_key())
+
+
+# --- signing and framing ---------------------------------------------------------------------------
+
+
+def test_signed_message_round_trips() -> None:
+    frames = _events.encode(KEY, {"type": "hello", "rank": 3})
+    assert _events.decode(KEY, frames) == {"type": "hello", "rank": 3}
+
+
+def test_bad_key_tampering_and_malformed_frames_are_dropped() -> None:
+    frames = _events.encode(KEY, {"type": "hello", "rank": 3})
+    assert _events.decode(bytes.fromhex(_events.new_key()), frames) is None
+    assert _events.decode(KEY, [frames[0], frames[1].replace(b"3", b"4")]) is None
+    assert _events.decode(KEY, [frames[1]]) is None
+    assert _events.decode(KEY, [b"", frames[1]]) is None
+    bad_json = b"{not json"
+    assert _events.decode(KEY, [_events.sign(KEY, bad_json), bad_json]) is None
+
+
+def test_key_is_fresh_and_hex() -> None:
+    a, b = _events.new_key(), _events.new_key()
+    assert a != b and len(bytes.fromhex(a)) == 32
+
+
+# --- the events log --------------------------------------------------------------------------------
+
+
+def test_event_log_round_trip_skips_a_torn_line(tmp_path: Path) -> None:
+    log = _events.EventLog(tmp_path / "events" / "rank0.jsonl")
+    log.write({"type": "hello", "rank": 0, "time": 2.0})
+    log.write({"type": "ready", "rank": 0, "time": 3.0})
+    log.close()
+    other = _events.EventLog(tmp_path / "events" / "rank1.jsonl")
+    other.write({"type": "hello", "rank": 1, "time": 1.0})
+    other.close()
+    with open(tmp_path / "events" / "rank0.jsonl", "a") as f:
+        f.write('{"type": "spans", "ra')  # killed mid-write
+    assert [e["type"] for e in _events.read_log(tmp_path / "events" / "rank0.jsonl")] == ["hello", "ready"]
+    assert [(e["rank"], e["type"]) for e in _events.read_events(tmp_path)] == [
+        (1, "hello"),
+        (0, "hello"),
+        (0, "ready"),
+    ]
+
+
+def test_controller_info_is_private(tmp_path: Path) -> None:
+    path = _events.write_controller_info(tmp_path, {"events": "tcp://127.0.0.1:1", "key": "ab"})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert _events.read_controller_info(tmp_path) == {"events": "tcp://127.0.0.1:1", "key": "ab"}
+    assert _events.read_controller_info(tmp_path / "missing") is None
+
+
+# --- a 1x1 engine ----------------------------------------------------------------------------------
+
+
+def train(run_dir: Path | None, steps: int, between=None) -> Varuna:
+    torch.manual_seed(0)
+    cfg = gpt_tiny()
+    data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
+    engine = Varuna(GPT(cfg), global_batch_size=8, micro_batch_size=2, run_dir=run_dir)
+    engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+    for step in range(steps):
+        if between is not None:
+            between(step)
+        engine.step(engine.batch(data, step))
+    engine.close()
+    return engine
+
+
+def logged(run_dir: Path) -> list[dict]:
+    return list(_events.read_log(run_dir / "events" / "rank0.jsonl"))
+
+
+def test_engine_logs_lifecycle_spans_metrics_and_memory(tmp_path: Path) -> None:
+    train(tmp_path, 3)
+    events = logged(tmp_path)
+    assert [e["type"] for e in events[:2]] == ["hello", "ready"]
+    hello = events[0]
+    assert hello["pipeline"] == 1 and hello["data"] == 1 and hello["device"] == "cpu" and hello["pid"] > 0
+    for e in events:
+        assert {"rank", "stage", "replica", "step", "time", "seq"} <= set(e)
+    spans = [e for e in events if e["type"] == "spans"]
+    metrics = [e for e in events if e["type"] == "step_metrics"]
+    assert [e["step"] for e in spans] == [e["step"] for e in metrics] == [1, 2, 3]
+    kinds = [s["kind"] for s in spans[0]["spans"]]
+    assert kinds.count("F") == kinds.count("B") == 4 and "optim" in kinds and "allreduce" in kinds
+    now = time.time()
+    for s in spans[0]["spans"]:
+        assert now - 60 < s["start"] <= s["end"] <= now  # wall-clock seconds
+    m = metrics[-1]
+    assert 0.0 <= m["bubble"] < 1.0 and m["samples_per_s"] > 0 and m["loss"] > 0
+    mem = m["memory"]
+    n_params = sum(p.numel() for p in GPT(gpt_tiny()).parameters()) * 4
+    assert mem["params_bytes"] == mem["grads_bytes"] == n_params
+    assert mem["optimizer_bytes"] >= 2 * n_params  # AdamW: exp_avg and exp_avg_sq
+    assert mem["activations_bytes"] > 0 and mem["peak_rss_bytes"] > mem["activations_bytes"]
+
+
+def test_telemetry_off_and_span_sampling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VARUNA_TELEMETRY", "0")
+    train(tmp_path / "off", 2)
+    assert not (tmp_path / "off" / "events").exists()
+    monkeypatch.setenv("VARUNA_TELEMETRY", "1")
+    monkeypatch.setenv("VARUNA_TELEMETRY_SPANS_EVERY", "2")
+    train(tmp_path / "thin", 4)
+    events = logged(tmp_path / "thin")
+    assert [e["step"] for e in events if e["type"] == "spans"] == [2, 4]
+    assert [e["step"] for e in events if e["type"] == "step_metrics"] == [1, 2, 3, 4]
+
+
+def test_engine_without_run_dir_or_controller_emits_nothing() -> None:
+    engine = train(None, 1)
+    assert not engine._telemetry.enabled
+
+
+def test_signed_events_and_a_checkpoint_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = zmq.Context.instance()
+    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+    try:
+        events_port = pull.bind_to_random_port("tcp://127.0.0.1")
+        commands_port = pub.bind_to_random_port("tcp://127.0.0.1")
+        monkeypatch.setenv("VARUNA_EVENTS", f"tcp://127.0.0.1:{events_port}")
+        monkeypatch.setenv("VARUNA_COMMANDS", f"tcp://127.0.0.1:{commands_port}")
+        monkeypatch.setenv("VARUNA_EVENTS_KEY", KEY.hex())
+
+        def between(step: int) -> None:
+            if step == 1:
+                time.sleep(0.3)  # let the SUB socket join
+                pub.send_multipart(_events.encode(KEY, {"cmd": "checkpoint"}))
+                pub.send_multipart(_events.encode(b"wrong", {"cmd": "stop"}))  # dropped: bad signature
+                time.sleep(0.1)
+
+        engine = train(tmp_path, 3, between)
+        assert engine.last_checkpoint is not None and engine.last_checkpoint["step"] == 2
+        assert (tmp_path / "checkpoints" / "step-00000002").is_dir()
+        assert not engine.stop_request
+        received = []
+        while pull.poll(500):
+            received.append(_events.decode(KEY, pull.recv_multipart()))
+        types = [e["type"] for e in received if e is not None]
+        assert types[:2] == ["hello", "ready"] and "checkpoint_done" in types
+        assert types == [e["type"] for e in logged(tmp_path)]  # the socket and the log agree
+        done = next(e for e in received if e["type"] == "checkpoint_done")
+        assert done["saved_step"] == 2 and done["bytes"] > 0 and Path(done["path"]).is_dir()
+    finally:
+        pull.close(linger=0)
+        pub.close(linger=0)
