@@ -28,19 +28,9 @@ from torch import nn
 from varuna.comm import P2P, flatten_value
 from varuna.cutpoint import SKIPPED, CutPoint, _handling, is_skipped
 from varuna.errors import PartitionError
-from varuna.schedule import Action
+from varuna.schedule import Action, Span
 
 __all__ = ["StageRuntime", "StepTimes", "Span"]
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """One executed action: kind, micro-batch, start and end (perf_counter seconds)."""
-
-    kind: str
-    microbatch: int | None
-    start: float
-    end: float
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from varuna.errors import ScheduleError
 
 __all__ = [
     "Action",
+    "Span",
     "COMPUTE_KINDS",
     "COMM_KINDS",
     "KINDS",
@@ -51,6 +52,15 @@ SCHEDULES = ("gpipe", "1f1b", "varuna")
 ScheduleName = Literal["gpipe", "1f1b", "varuna"]
 
 _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+)(\d*)$")
+
+
+class Span(NamedTuple):
+    """One executed (runtime) or simulated (planner) action: kind, micro-batch, start and end seconds."""
+
+    kind: str
+    microbatch: int | None
+    start: float
+    end: float
 
 
 class Action(NamedTuple):

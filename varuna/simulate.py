@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from varuna.errors import ScheduleError
-from varuna.schedule import COMPUTE_KINDS, Action, Schedule, ScheduleName, lower, make_schedule
+from varuna.schedule import COMPUTE_KINDS, Action, Schedule, ScheduleName, Span, lower, make_schedule
 
 __all__ = ["StageCost", "Span", "Timeline", "simulate", "simulate_lowered"]
 
@@ -51,16 +51,6 @@ class StageCost:
         if kind == "B":
             return self.backward_s
         return self.forward_s if self.recompute_s is None else self.recompute_s
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """One simulated action: the same fields as `varuna.runtime.Span`, times from the step's start."""
-
-    kind: str
-    microbatch: int | None
-    start: float
-    end: float
 
 
 @dataclass(kw_only=True, slots=True)

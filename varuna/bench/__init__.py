@@ -6,4 +6,28 @@ Each subcommand lives in its own module (`pipeline.py`; `morph`, `planner`, `tel
 starts its measured jobs as separate processes, so importing this package costs nothing.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["log", "bench_env"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (stdout carries the JSON)."""
+    print(f"varuna bench: {msg}", file=sys.stderr, flush=True)
+
+
+def bench_env(timeout_s: int) -> dict[str, str]:
+    """The environment of a measured job: one thread, this checkout importable, a collective timeout."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
+        "VARUNA_TIMEOUT": os.environ.get("VARUNA_TIMEOUT", str(timeout_s)),
+    }

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from varuna.bench import bench_env, log
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = ["MorphBench", "full", "quick", "run", "plain_write", "crc_rate", "format_table"]
@@ -236,17 +237,11 @@ def torch_import_s() -> float:
 
 
 def _log(msg: str) -> None:
-    print(f"varuna bench: {msg}", file=sys.stderr, flush=True)
+    log(msg)
 
 
 def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{_ROOT}{os.pathsep}{path}" if path else str(_ROOT),
-        "VARUNA_TIMEOUT": os.environ.get("VARUNA_TIMEOUT", "120"),
-    }
+    return bench_env(120)
 
 
 class _Lines:

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from varuna.bench import bench_env, log
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "format_table"]
@@ -135,17 +136,11 @@ def quick() -> PipelineBench:
 
 
 def _log(msg: str) -> None:
-    print(f"varuna bench: {msg}", file=sys.stderr, flush=True)
+    log(msg)
 
 
 def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{_ROOT}{os.pathsep}{path}" if path else str(_ROOT),
-        "VARUNA_TIMEOUT": os.environ.get("VARUNA_TIMEOUT", "60"),
-    }
+    return bench_env(60)
 
 
 def _run_job(name: str, cmd: list[str], timeout_s: float, log: Path) -> None:
