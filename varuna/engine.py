@@ -552,9 +552,11 @@ class Varuna:
         tensors: dict[str, torch.Tensor] = {f"model.{n}": p.data for n, p in self._params}
         optim = ckpt.optimizer_placeholders(stored, self._params)
         rng_key = f"rng.rank{self.rank}"
-        if rng_key in stored and (cfg.data == 1 or self.replica == 0):  # replica 0 reads for its stage
+        if rng_key in stored:
             tensors[rng_key] = torch.empty(stored[rng_key][0], dtype=stored[rng_key][1])
-        self._load_once_per_stage(path, tensors | optim)
+        # Every rank reads its own tensors. (Replica 0 reading once per stage and broadcasting was
+        # measured slower here: 4.4 s of gloo broadcasts for a 1.2 GB checkpoint against ~0 s saved.)
+        ckpt.load_tensors(path, tensors | optim)
         if rng_key in tensors:
             torch.set_rng_state(tensors[rng_key])
         self.step_count = int(extra["step"])
@@ -571,21 +573,6 @@ class Varuna:
         }
         if self.rank == 0:
             print(f"varuna: resumed from {path} at step {self.step_count}", flush=True)
-
-    def _load_once_per_stage(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
-        """Replica 0 reads the checkpoint; the other replicas receive it over their stage's group
-        (one disk read per stage instead of D concurrent ones)."""
-        P, D = self.config.pipeline, self.config.data
-        if D == 1:
-            ckpt.load_tensors(path, tensors)
-            return
-        readers = dist.new_group(list(range(P)))  # every rank creates every group
-        if self.replica == 0:
-            ckpt.load_tensors(path, tensors, process_group=readers)
-        with torch.no_grad():
-            for key in sorted(k for k in tensors if not k.startswith("rng.")):
-                dist.broadcast(tensors[key], src=self.stage, group=self._dp_group)
-        dist.destroy_process_group(readers)
 
     def _write_engine_info(self) -> None:
         assert self.config.run_dir is not None
