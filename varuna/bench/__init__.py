@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["log", "bench_env"]
+__all__ = ["log", "bench_env", "print_report"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,3 +31,15 @@ def bench_env(timeout_s: int) -> dict[str, str]:
         "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
         "VARUNA_TIMEOUT": os.environ.get("VARUNA_TIMEOUT", str(timeout_s)),
     }
+
+
+def print_report(report: dict[str, object], table: str, as_json: bool) -> int:
+    """With --json: the table on stderr and one JSON object on stdout; else the table on stdout."""
+    import json
+
+    if as_json:
+        print(table, file=sys.stderr)
+        print(json.dumps(report, indent=1))
+    else:
+        print(table)
+    return 0

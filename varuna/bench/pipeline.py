@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from varuna.bench import bench_env, log
+from varuna.bench import bench_env, log, print_report
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "format_table"]
@@ -361,12 +361,5 @@ def run(bench: PipelineBench) -> dict[str, Any]:
 
 def main(args: Any) -> int:
     """Entry of `python -m varuna.bench pipeline`; `args` has `json` and `quick`."""
-    bench = quick() if args.quick else full()
-    report = run(bench)
-    table = format_table(report)
-    if args.json:
-        print(table, file=sys.stderr)
-        print(json.dumps(report, indent=1))
-    else:
-        print(table)
-    return 0
+    report = run(quick() if args.quick else full())
+    return print_report(report, format_table(report), args.json)
