@@ -362,6 +362,12 @@ class Job:
         ):
             code = MORPH_EXIT
             self.summary = ["varuna: the job checkpointed and stopped, ready to morph (exit status 75)"]
+        elif len(statuses) == self.world and all(s.get("state") == "done" for s in statuses.values()):
+            if code != 0:  # every rank finished the script; a kill during MPI teardown loses nothing
+                self.summary = [
+                    f"varuna: every rank finished; mpiexec then reported exit code {code} (ignored)"
+                ]
+            code = 0
         elif code == 0 and any(s.get("state") != "done" for s in statuses.values()):
             code = 1  # a rank left early without finalising MPI, and mpiexec ended the rest
         if self._stop_signal is not None:  # we stopped it: the ranks' deaths are ours, not news
