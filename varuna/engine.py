@@ -36,7 +36,15 @@ from varuna.config import VarunaConfig
 from varuna.cutpoint import SKIPPED, CutPoint
 from varuna.errors import CheckpointError, ConfigError
 from varuna.morph import MORPH_EXIT, StopRequest
-from varuna.partition import Partition, Trace, cut_names, make_partition, profile_segments, trace_model
+from varuna.partition import (
+    Partition,
+    Trace,
+    canonical_names,
+    cut_names,
+    make_partition,
+    profile_segments,
+    trace_model,
+)
 from varuna.precision import LossScaler, autocast_policy
 from varuna.runtime import StageRuntime, StepTimes
 from varuna.schedule import Action, lower, make_schedule, validate
@@ -138,7 +146,7 @@ class Varuna:
         owned = set(self.partition.stage_params[self.stage])
         self._strip(model, owned)
         self._to_device(model)
-        self._params = self._owned_parameters(model, owned)
+        self._params = self._owned_parameters(model)
         self._make_groups()
         self._resume_path = ckpt.resolve(cfg.resume, cfg.run_dir) if cfg.resume is not None else None
         if self._resume_path is None:  # a checkpoint overwrites every value anyway
@@ -213,10 +221,7 @@ class Varuna:
 
     def _trace(self, model: nn.Module, example_batch: Mapping[str, Any] | None) -> Trace:
         if self.config.pipeline == 1 and example_batch is None:
-            aliases: dict[str, list[str]] = {}
-            seen: dict[int, str] = {}
-            for name, p in model.named_parameters(remove_duplicate=False):
-                aliases.setdefault(seen.setdefault(id(p), name), []).append(name)
+            _, aliases = canonical_names(model)
             shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
             return Trace(cut_names=[], param_segments={}, param_aliases=aliases, param_shapes=shapes)
         return trace_model(model, self._example(example_batch))
@@ -267,9 +272,7 @@ class Varuna:
 
     def _strip(self, model: nn.Module, owned: set[str]) -> None:
         """Replace every parameter this stage does not hold by a meta tensor; skip modules left empty."""
-        canon: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            canon.setdefault(id(p), name)
+        canon, _ = canonical_names(model)
         replaced: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for pname, p in list(module._parameters.items()):
@@ -304,7 +307,8 @@ class Varuna:
                 if not t.is_meta:
                     t.data = t.data.to(self.device)
 
-    def _owned_parameters(self, model: nn.Module, owned: set[str]) -> list[tuple[str, nn.Parameter]]:
+    def _owned_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """The real (not stripped) parameters, once each, under their first name."""
         out, seen = [], set()
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in seen or p.is_meta:

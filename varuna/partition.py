@@ -104,7 +104,8 @@ class Partition:
         return "\n".join(rows)
 
 
-def _canonical_names(model: nn.Module) -> tuple[dict[int, str], dict[str, list[str]]]:
+def canonical_names(model: nn.Module) -> tuple[dict[int, str], dict[str, list[str]]]:
+    """id(Parameter) -> its first name, and first name -> every name it is registered under."""
     by_id: dict[int, str] = {}
     aliases: dict[str, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -165,7 +166,7 @@ def cut_names(model: nn.Module) -> dict[int, str]:
 
 def trace_model(model: nn.Module, batch: Mapping[str, Any]) -> Trace:
     """Run one forward pass under no_grad and record the CutPoint order and parameter use."""
-    param_ids, aliases = _canonical_names(model)
+    param_ids, aliases = canonical_names(model)
     names = cut_names(model)
     recorder = _Recorder(param_ids)
     cuts = _TraceCuts(names, recorder)
