@@ -74,13 +74,12 @@ def _requests(run_dir: Path) -> Path:
 
 
 def live_workers(run_dir: Path) -> list[int]:
-    """PIDs of this run's ranks that report themselves running (on this host)."""
+    """PIDs of this run's ranks that report themselves running (on this host), by rank."""
+    from varuna._postmortem import read_reports
+
+    statuses, _ = read_reports(Path(run_dir))
     pids = []
-    for path in sorted(Path(run_dir).glob("status/rank*.json")):
-        try:
-            status = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+    for _, status in sorted(statuses.items()):
         pid = status.get("pid")
         if status.get("state") == "running" and isinstance(pid, int):
             try:
