@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from varuna._files import write_atomic
 from varuna.errors import CheckpointError
 
 __all__ = ["save", "resolve", "verify", "read_extra", "load_tensors", "checkpoint_names", "FORMAT"]
@@ -52,15 +53,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def checkpoint_names(root: Path) -> list[str]:
@@ -104,14 +96,14 @@ def save(
             files[fname] = {"bytes": p.stat().st_size, "crc32": _crc(p)}
         size = sum(f["bytes"] for f in files.values())
         manifest = {"format": FORMAT, "step": step, "created": time.time(), "files": files, "bytes": size}
-        _atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode(), fsync=True)
         with open(tmp / "extra.pt", "rb") as f:  # DCP's writer fsyncs its own files
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write(root / "latest", (name + "\n").encode())
+        write_atomic(root / "latest", (name + "\n").encode(), fsync=True)
         _fsync_dir(root)
         for old in checkpoint_names(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(root / old, ignore_errors=True)

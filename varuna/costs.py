@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from varuna._files import write_json_atomic
 from varuna.errors import ConfigError
 
 __all__ = ["SegmentCost", "NetworkCost", "CostTable", "model_signature", "FORMAT_VERSION"]
@@ -314,12 +315,7 @@ class CostTable:
 
     def save(self, path: str | Path) -> Path:
         """Write the table as JSON (via a temporary file, so a reader never sees half of it)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)
-        return path
+        return write_json_atomic(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:

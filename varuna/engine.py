@@ -31,6 +31,7 @@ from torch import nn
 
 from varuna import checkpoint as ckpt
 from varuna import distributed as vdist
+from varuna._files import write_json_atomic
 from varuna.comm import P2P, GradBuckets
 from varuna.config import VarunaConfig
 from varuna.cutpoint import SKIPPED, CutPoint
@@ -262,10 +263,7 @@ class Varuna:
             else:
                 box[0] = profile_segments(model, micro, repeats=cfg.profile_repeats, autocast=self.autocast)
                 if cache is not None:
-                    cache.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = cache.with_suffix(".tmp")
-                    tmp.write_text(json.dumps({"costs": box[0], "key": json.loads(key_src)}))
-                    tmp.replace(cache)
+                    write_json_atomic(cache, {"costs": box[0], "key": json.loads(key_src)})
         if self.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         return [float(c) for c in box[0]]
@@ -585,11 +583,7 @@ class Varuna:
             "boundaries": list(self.partition.boundaries),
             "step": self.step_count,
         }
-        path = self.config.run_dir / "engine.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=1, default=str))
-        tmp.replace(path)
+        write_json_atomic(self.config.run_dir / "engine.json", info)
 
     # reductions --------------------------------------------------------------------------------
     def _start_allreduce(self) -> None:

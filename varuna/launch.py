@@ -16,7 +16,6 @@ from __future__ import annotations
 import codecs
 import functools
 import importlib.util
-import json
 import os
 import select
 import shutil
@@ -31,6 +30,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import IO, Any, Literal, TextIO
 
+from varuna._files import write_json_atomic
 from varuna._postmortem import _shown, read_reports, summarise
 from varuna.errors import ConfigError, LaunchError
 from varuna.morph import MORPH_EXIT
@@ -103,12 +103,6 @@ def _validate(script_argv: list[str], pipeline: int, data: int, hostfile: Path |
         raise ConfigError(f"script not found: {script_argv[0]} (relative to {os.getcwd()})")
     if hostfile is not None and not Path(hostfile).is_file():
         raise ConfigError(f"hostfile not found: {hostfile}")
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def _fresh(path: Path) -> Path:
@@ -203,7 +197,7 @@ class Job:
             full_env.update(dict.fromkeys(_ROOT_ENV, "1"))
         self._meta = {"argv": self.script_argv, "pipeline": self.pipeline, "data": self.data}
         self._meta |= {"world": self.world, "start": time.time(), "command": cmd, "job_id": self.job_id}
-        _write_json(self.run_dir / "job.json", self._meta)
+        write_json_atomic(self.run_dir / "job.json", self._meta)
         self._console = open(self.run_dir / "logs" / "console.log", "ab")  # noqa: SIM115
         shape = f"pipeline {self.pipeline} x data {self.data}"
         print(f"varuna: {self.world} ranks ({shape}), run dir {_shown(self.run_dir)}", file=self.err)
@@ -386,7 +380,7 @@ class Job:
         for line in self.summary:
             print(line, file=self.err)
         self.err.flush()
-        _write_json(
+        write_json_atomic(
             self.run_dir / "job.json",
             {**self._meta, "end": time.time(), "exit_code": code, "summary": self.summary},
         )

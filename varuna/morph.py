@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from varuna._files import write_json_atomic
 from varuna.errors import ConfigError
 
 __all__ = [
@@ -100,10 +101,9 @@ def request_resize(run_dir: Path, *, pipeline: int, data: int, notify: bool = Tr
         raise ConfigError(f"{run_dir} is not a varuna run directory (it has no job.json)")
     folder = _requests(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"resize-{time.time_ns()}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pipeline": pipeline, "data": data, "time": time.time()}))
-    tmp.replace(path)
+    path = write_json_atomic(
+        folder / f"resize-{time.time_ns()}.json", {"pipeline": pipeline, "data": data, "time": time.time()}
+    )
     if notify:
         for pid in live_workers(run_dir)[:1]:  # one is enough: the stop flag is all-reduced
             os.kill(pid, signal.SIGUSR1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import faulthandler
 import io
-import json
 import os
 import re
 import runpy
@@ -31,6 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
+from varuna._files import write_json_atomic
 from varuna.distributed import env_rank, finalize_mpi, init_distributed, launch_env, placement, shutdown
 from varuna.morph import MORPH_EXIT
 
@@ -124,13 +124,6 @@ class LineTee(io.TextIOBase):
         return self.console.buffer  # type: ignore[attr-defined]
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` atomically, so the launcher never reads half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 class _Rank:
     """This process's identity and the files it reports through."""
 
@@ -158,14 +151,14 @@ class _Rank:
         """Write ``status/rank{r}.json``: running, done or failed."""
         path = self.path("status", ".json")
         if path is not None:
-            _write_json(path, {**self.identity, "state": state, "time": time.time(), **extra})
+            write_json_atomic(path, {**self.identity, "state": state, "time": time.time(), **extra})
 
     def failure(self, exc: BaseException, text: str) -> None:
         """Write ``failures/rank{r}.json`` for the launcher's summary."""
         path = self.path("failures", ".json")
         if path is not None:
             record = {"type": type(exc).__name__, "message": str(exc), "traceback": text, "time": time.time()}
-            _write_json(path, {**self.identity, **record})
+            write_json_atomic(path, {**self.identity, **record})
 
 
 def _report(me: _Rank, state: str, exc: BaseException | None = None, text: str = "", **extra: Any) -> None:
