@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 MPI_WHEEL ?= mpich
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.varuna-installed
 
@@ -13,12 +15,13 @@ $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet mpi4py $(MPI_WHEEL) numpy
-	$(BIN)/python -m pip install --quiet -e ".[dev]" -e ./widgets
+	$(BIN)/python -m pip install --quiet -e ".[dev,notebook]" -e ./widgets
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
 install: $(STAMP)
 
-test: install
+test: install $(CHROMIUM)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 demo: install
@@ -27,9 +30,14 @@ demo: install
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m varuna.bench pipeline --json
 
+# JupyterLab on loopback, with a fresh token (printed in the URL), on the quickstart notebook.
 lab: install
-	$(BIN)/python -m pip install --quiet -e ".[notebook]" -e ./widgets
-	$(BIN)/jupyter lab --ip=127.0.0.1 --notebook-dir=notebooks
+	cd notebooks && exec ../$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. quickstart.ipynb
+
+# The browser test drives Debian's chromium (never `playwright install`: nothing downloads at run time).
+$(CHROMIUM):
+	@command -v apt-get >/dev/null || { echo "the browser test needs Chromium at $(CHROMIUM): install it, or set CHROMIUM=/path"; exit 1; }
+	$(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null; }
 
 lint: install
 	$(BIN)/ruff check varuna widgets tests

@@ -103,7 +103,7 @@ def test_engine_logs_lifecycle_spans_metrics_and_memory(tmp_path: Path) -> None:
         assert {"rank", "stage", "replica", "step", "time", "seq"} <= set(e)
     spans = [e for e in events if e["type"] == "spans"]
     metrics = [e for e in events if e["type"] == "step_metrics"]
-    assert [e["step"] for e in spans] == [e["step"] for e in metrics] == [1, 2, 3]
+    assert [e["step"] for e in spans] == [e["step"] for e in metrics] == [0, 1, 2]
     kinds = [s["kind"] for s in spans[0]["spans"]]
     assert kinds.count("F") == kinds.count("B") == 4 and "optim" in kinds and "allreduce" in kinds
     now = time.time()
@@ -126,8 +126,8 @@ def test_telemetry_off_and_span_sampling(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("VARUNA_TELEMETRY_SPANS_EVERY", "2")
     train(tmp_path / "thin", 4)
     events = logged(tmp_path / "thin")
-    assert [e["step"] for e in events if e["type"] == "spans"] == [2, 4]
-    assert [e["step"] for e in events if e["type"] == "step_metrics"] == [1, 2, 3, 4]
+    assert [e["step"] for e in events if e["type"] == "spans"] == [1, 3]
+    assert [e["step"] for e in events if e["type"] == "step_metrics"] == [0, 1, 2, 3]
 
 
 def test_engine_without_run_dir_or_controller_emits_nothing() -> None:
@@ -167,3 +167,44 @@ def test_signed_events_and_a_checkpoint_command(tmp_path: Path, monkeypatch: pyt
     finally:
         pull.close(linger=0)
         pub.close(linger=0)
+
+
+def test_paused_steps_record_nothing_and_set_pauses_from_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        monkeypatch.setenv("VARUNA_COMMANDS", f"tcp://127.0.0.1:{port}")
+        monkeypatch.setenv("VARUNA_EVENTS_KEY", KEY.hex())
+        monkeypatch.setenv("VARUNA_EVENTS", f"tcp://127.0.0.1:{_events.free_port()}")  # nobody listens
+
+        def between(step: int, engine: Varuna) -> None:
+            if step == 1:
+                engine._telemetry.paused = True  # steps 2 and 3
+            if step == 3:
+                time.sleep(0.3)  # let the SUB socket join
+                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "paused": False}))  # read in step 4
+                time.sleep(0.1)
+            if step == 4:
+                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "paused": True}))  # read in step 5
+                time.sleep(0.1)
+
+        torch.manual_seed(0)
+        cfg = gpt_tiny()
+        data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
+        engine = Varuna(GPT(cfg), global_batch_size=8, micro_batch_size=2, run_dir=tmp_path)
+        engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+        for step in range(7):
+            between(step, engine)
+            engine.step(engine.batch(data, step))
+        engine.close()
+    finally:
+        pub.close(linger=0)
+    events = logged(tmp_path)
+    assert engine._telemetry.paused
+    # paused for steps 2-3 by the attribute, resumed in step 4 (it still ran paused), paused again in 5
+    assert [e["step"] for e in events if e["type"] == "step_metrics"] == [0, 4]
+    assert [e["step"] for e in events if e["type"] == "spans"] == [0, 4]
+    memory = [e["memory"] for e in events if e["type"] == "step_metrics"]
+    assert all(m["grads_bytes"] > 0 and m["optimizer_bytes"] > 0 for m in memory)

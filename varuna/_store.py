@@ -172,14 +172,34 @@ class EventStore:
                 for _, r in sorted(self._ranks.items())
             ]
 
-    def timeline(self, last_steps: int = 3) -> Timeline:
-        """Spans of the last `last_steps` recorded steps, one row per rank."""
+    def span_steps(self) -> list[int]:
+        """The steps whose spans are kept, oldest first."""
         with self._lock:
-            steps = sorted(self._spans)[-last_steps:] if last_steps > 0 else []
+            return sorted(self._spans)
+
+    def timeline(self, last_steps: int = 3, *, until: int | None = None) -> Timeline:
+        """Spans of the last `last_steps` recorded steps (up to step `until`), one row per rank.
+
+        Rows come from the newest launch among those steps only, so after a resize the timeline
+        shows the new shape's rows, not a mix of both.
+        """
+        launch: tuple[Any, Any] | None = None
+        with self._lock:
+            kept = [s for s in sorted(self._spans) if until is None or s <= until]
+            steps = kept[-last_steps:] if last_steps > 0 else []
+            if steps:
+                newest = max(self._spans[steps[-1]].values(), key=lambda e: e.get("time", 0.0))
+                launch = (newest.get("job"), newest.get("launch"))
+                steps = [
+                    s for s in steps
+                    if any((e.get("job"), e.get("launch")) == launch for e in self._spans[s].values())
+                ]  # fmt: skip
             chosen = [(s, self._spans[s]) for s in steps]
         rows: dict[int, TimelineRow] = {}
         for step, by_rank in chosen:
             for rank, event in by_rank.items():
+                if (event.get("job"), event.get("launch")) != launch:
+                    continue
                 row = rows.setdefault(rank, TimelineRow(event["stage"], event["replica"], rank))
                 row.spans += [
                     SpanRecord(

@@ -1,6 +1,9 @@
 """`make demo`: a ~10M-parameter GPT (tied embeddings, causal mask) trained on a synthetic corpus.
 
-    varuna run --pipeline 2 --data 2 -m varuna.demo [--steps 30] [--schedule varuna]
+    varuna run --pipeline 2 --data 2 -m varuna.demo [--steps 30] [--schedule varuna] [--model small]
+
+It resumes where a checkpoint left off (the workbench and `varuna run --elastic` relaunch it with
+VARUNA_RESUME set), so a resized job continues the same loss curve.
 
 Rank 0 shows a progress bar and ends with a summary: the loss, samples/s, and where each stage's
 time went (compute, communication, idle).
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -18,7 +22,7 @@ import torch.distributed as dist
 
 from varuna import Varuna
 from varuna.data import SyntheticLM, collate
-from varuna.models import GPT, count_parameters, gpt_demo
+from varuna.models import GPT, GPTConfig, count_parameters, gpt_demo
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -29,6 +33,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "varuna"])
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--model",
+        default="demo",
+        choices=["demo", "small"],
+        help="demo: ~10M parameters; small: ~0.4M, for notebooks in tests",
+    )
+    ap.add_argument(
+        "--pause", type=float, default=0.0, help="seconds to sleep after each step (to watch it live)"
+    )
     ap.add_argument("--corpus-vocab", type=int, default=512, help="distinct tokens in the synthetic corpus")
     return ap.parse_args(argv)
 
@@ -64,7 +77,11 @@ def summary(engine: Varuna, histories: list[list[dict[str, float]]], losses: lis
 def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     torch.manual_seed(0)
-    cfg = gpt_demo()
+    cfg = (
+        gpt_demo()
+        if args.model == "demo"
+        else GPTConfig(vocab_size=1024, seq_len=32, d_model=64, n_layer=6, n_head=4)
+    )
     model = GPT(cfg)
     params = count_parameters(model)
     # The corpus uses 512 of the model's 8192 token ids: a loss drop visible within a few dozen steps.
@@ -85,18 +102,27 @@ def main(argv: list[str] | None = None) -> None:
     if engine.rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="training", unit="step", file=sys.stderr, mininterval=0.5)
+        bar = tqdm(
+            total=args.steps,
+            initial=engine.step_count,
+            desc="training",
+            unit="step",
+            file=sys.stderr,
+            mininterval=0.5,
+        )
     losses = []
-    for step in range(args.steps):
+    for step in range(engine.step_count, args.steps):
         losses.append(engine.step(engine.batch(dataset, step)))
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             bar.update()
+        if args.pause:
+            time.sleep(args.pause)
     if bar is not None:
         bar.close()
     histories: list[Any] = [None] * engine.world_size
     dist.all_gather_object(histories, engine.history)
-    if engine.rank == 0:
+    if engine.rank == 0 and losses:
         print(summary(engine, histories, losses, params), flush=True)
     engine.close()
 

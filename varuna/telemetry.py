@@ -14,9 +14,19 @@ as an `error` event), the two P2P send methods (bytes per send) and adds optimiz
 Environment: ``VARUNA_TELEMETRY=0`` turns it off; ``VARUNA_TELEMETRY_SPANS_EVERY=N`` records the
 spans of every N-th step (default 1) and ``VARUNA_TELEMETRY_MIN_INTERVAL_S`` at most one spans
 event per that many seconds; per-step metrics are always sent. Counting the activations saved for
-backward costs a Python call per saved tensor (~7% of a 24 ms step), so it runs on the first step
-and every ``VARUNA_TELEMETRY_MEMORY_EVERY`` (20) steps; the other steps repeat the last figure. Times are wall-clock seconds
-(``time.time()``): the runtime's perf_counter stamps are shifted by one offset per process.
+backward costs a Python call per saved tensor (~7% of a 24 ms step), so it runs on the first
+recorded step of the process and every ``VARUNA_TELEMETRY_MEMORY_EVERY`` (20) recorded steps; the
+other steps repeat the last figure, and so do the gradient and optimizer-state bytes (a walk over
+every parameter), which are redone on those steps or when the optimizer changes. Times are
+wall-clock seconds (``time.time()``): the runtime's perf_counter stamps are shifted by one offset
+per process.
+
+Pausing: ``paused = True`` (or the controller's ``set(paused=True)``, acted on by every rank at its
+next step) records, logs and sends nothing per step until resumed; lifecycle events and commands
+still go through. What stays is a few Python calls a step (the wrappers, `poll`: ~10 us), so
+`python -m varuna.bench telemetry` uses it as the "off" of its on/off comparison. What "on" costs
+a rank of that bench's GPT stage, measured: ~0.2 ms a step, nearly all in the two events (each
+JSON-encoded for the log and again for the signed message, then sent).
 """
 
 from __future__ import annotations
@@ -45,10 +55,17 @@ _KIND = {"RECV_F": "recv", "RECV_B": "recv", "SEND_F": "send", "SEND_B": "send",
 _HWM = 10_000
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def _rss_bytes() -> int | None:
     """The current resident set size (Linux), else None."""
     try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        fd = os.open("/proc/self/statm", os.O_RDONLY)  # os.* not pathlib: this runs every step
+        try:
+            return int(os.read(fd, 256).split()[1]) * _PAGE
+        finally:
+            os.close(fd)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -75,6 +92,10 @@ class Telemetry:
         self._seq = 0
         self._offset = time.time() - time.perf_counter()
         self._last_spans = -float("inf")
+        self.paused = False
+        """True: nothing recorded, logged or sent per step (lifecycle events and commands still are)."""
+        self._recorded = 0
+        self._recording = True
         self._sampled = False
         self._counting = False
         self._packs: list[tuple[float, int]] = []
@@ -84,6 +105,8 @@ class Telemetry:
         self._run_end: float | None = None
         self._optim: list[float] = []
         self._optim_hooked: Any = None
+        self._state_bytes: tuple[int, int] | None = None
+        self._state_key: tuple[int, int] | None = None
         self._checkpoint_wanted = False
 
     # construction ------------------------------------------------------------------------------
@@ -145,7 +168,10 @@ class Telemetry:
         def observed_run(*args: Any, **kwargs: Any) -> Any:
             step = engine.step_count + 1
             self._sampled = self._should_sample(step)
-            self._counting = self.enabled and (step == 1 or step % self.memory_every == 0)
+            # `paused` as the step starts holds for the whole step (a `set` lands in the middle)
+            self._recording = recording = self.enabled and not self.paused
+            self._recorded += recording
+            self._counting = recording and (self._recorded == 1 or self._recorded % self.memory_every == 0)
             self._packs, self._seen = [], set()
             try:
                 if self._counting:
@@ -182,7 +208,7 @@ class Telemetry:
         return t
 
     def _should_sample(self, step: int) -> bool:
-        if not self.enabled or step % self.spans_every:
+        if not self.enabled or self.paused or step % self.spans_every:
             return False
         return time.monotonic() - self._last_spans >= self.min_interval_s
 
@@ -259,6 +285,7 @@ class Telemetry:
                 continue
             name = command.get("cmd")
             if name == "set":
+                self.paused = bool(command.get("paused", self.paused))
                 self.spans_every = max(int(command.get("spans_every", self.spans_every)), 1)
                 self.min_interval_s = float(command.get("min_interval_s", self.min_interval_s))
             elif engine.rank == 0 and name == "checkpoint":
@@ -266,6 +293,11 @@ class Telemetry:
             elif engine.rank == 0 and name == "stop":
                 engine.stop_request.set("controller")
         return self._checkpoint_wanted
+
+    @property
+    def last_step_counted_memory(self) -> bool:
+        """Whether the last step counted the activations saved for backward (the costly sample)."""
+        return self._counting
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_step_pre_hook(lambda *_: self._optim.append(time.perf_counter()))
@@ -277,10 +309,15 @@ class Telemetry:
         """The step's spans (when sampled) and its metrics and memory (always)."""
         if not self.enabled or self._engine is None:
             return
+        if not self._recording:
+            self._optim.clear()
+            self._send_bytes.clear()
+            return
         cfg = self._engine.config
+        done = self._engine.step_count - 1  # per-step events carry the index of the step they describe
         if self._sampled:
             self._last_spans = time.monotonic()
-            self.emit("spans", spans=self._spans(times))
+            self.emit("spans", spans=self._spans(times), step=done)
         if self._counting:
             self._activations = self._activation_peak(times)
         self._optim.clear()
@@ -288,6 +325,7 @@ class Telemetry:
         total = max(times.total_s, 1e-12)
         self.emit(
             "step_metrics",
+            step=done,
             loss=loss,
             time_s=times.total_s,
             compute_s=times.compute_s,
@@ -361,18 +399,15 @@ class Telemetry:
         """This stage's memory: parameters, gradients, optimizer state, activations, peak."""
         engine = self._engine
         assert engine is not None
-        grads: dict[int, int] = {}
-        for p in engine.parameters():
-            if p.grad is not None:
-                grads[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
-        optimizer = 0
-        if engine.optimizer is not None:
-            for state in engine.optimizer.state.values():
-                optimizer += sum(_tensor_bytes(v) for v in state.values())
+        opt = engine.optimizer
+        key = (id(opt), len(opt.state) if opt is not None else 0)
+        if self._state_bytes is None or self._counting or key != self._state_key:
+            self._state_bytes, self._state_key = self._grads_and_optimizer_bytes(), key
+        grads, optimizer = self._state_bytes
         ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         mem: dict[str, Any] = {
             "params_bytes": self._params_bytes,
-            "grads_bytes": sum(grads.values()),
+            "grads_bytes": grads,
             "optimizer_bytes": optimizer,
             "activations_bytes": self._activations,
             "rss_bytes": _rss_bytes(),
@@ -384,3 +419,19 @@ class Telemetry:
             mem["cuda_reserved_bytes"] = torch.cuda.memory_reserved(engine.device)
             torch.cuda.reset_peak_memory_stats(engine.device)
         return mem
+
+    def _grads_and_optimizer_bytes(self) -> tuple[int, int]:
+        """Bytes of the gradients' storages and of the optimizer's state tensors (a walk over every
+        parameter: ~1 ms a step for a 100-tensor model, so `memory` redoes it only on the steps
+        that count activations, or when the optimizer or its number of states changed)."""
+        engine = self._engine
+        assert engine is not None
+        grads: dict[int, int] = {}
+        for p in engine.parameters():
+            if p.grad is not None:
+                grads[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
+        optimizer = 0
+        if engine.optimizer is not None:
+            for state in engine.optimizer.state.values():
+                optimizer += sum(_tensor_bytes(v) for v in state.values())
+        return sum(grads.values()), optimizer

@@ -1,0 +1,79 @@
+"""The notebooks run headless (nbclient) with small settings and are committed without outputs.
+
+Each notebook runs in a copy of notebooks/ under tmp_path, so its runs/ never lands in the repo.
+The quickstart asserts its own story (checkpoint on disk, a 2x2 -> 4x1 resize, stop, resume, every
+step present once, no loss jump at a relaunch); the bubbles notebook asserts all three schedules
+finished and measured a bubble.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+pytestmark = pytest.mark.multirank
+
+
+def execute(name: str, tmp_path: Path, timeout: int) -> nbformat.NotebookNode:
+    work = tmp_path / "nb"
+    shutil.copytree(NOTEBOOKS, work)
+    nb = nbformat.read(work / name, as_version=4)
+    env = {"VARUNA_NOTEBOOK_SMALL": "1", "OMP_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        client = nbclient.NotebookClient(
+            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(work)}}
+        )
+        client.execute()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return nb
+
+
+def stream_text(nb: nbformat.NotebookNode) -> str:
+    return "".join(
+        o.get("text", "")
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.output_type == "stream"
+    )
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "bubbles.ipynb"])
+def test_committed_without_outputs(name: str) -> None:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+
+
+@pytest.mark.timeout(400)
+def test_quickstart_runs_headless(tmp_path: Path) -> None:
+    nb = execute("quickstart.ipynb", tmp_path, timeout=300)
+    text = stream_text(nb)
+    assert "checkpoint of step" in text and "running at 4x1" in text
+    assert "2 relaunches" in text and "finished" in text
+    checkpoints = list((tmp_path / "nb" / "runs").glob("quickstart-*/checkpoints/step-*"))
+    assert len(checkpoints) >= 2
+
+
+@pytest.mark.timeout(400)
+def test_bubbles_runs_headless(tmp_path: Path) -> None:
+    nb = execute("bubbles.ipynb", tmp_path, timeout=300)
+    text = stream_text(nb)
+    for schedule in ("gpipe", "1f1b", "varuna"):
+        assert f"{schedule}: finished" in text
+        assert any(line.startswith(f"{schedule:7s} measured") for line in text.splitlines())

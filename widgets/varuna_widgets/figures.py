@@ -1,0 +1,286 @@
+"""What the workbench draws, as plain Plotly dicts computed from the controller's views.
+
+Pure functions (no ipywidgets, no plotly import): the tests check them directly and the
+`Workbench` copies their output into long-lived FigureWidgets inside one `batch_update()`.
+
+    timeline  one row per (stage, replica), stage 0 on top; one bar trace per span kind, so a
+              refresh replaces a fixed set of arrays instead of adding traces; the gaps are the
+              bubbles; a prediction from `varuna.simulate` can be drawn under the measured spans.
+    memory    stacked bars per stage (parameters, gradients, optimizer, activations) + peak marker.
+    curves    loss and samples/s against the step, old points thinned; a line where the job was
+              relaunched in a new shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from varuna._store import StageMemory, StepMetrics, Timeline
+
+__all__ = [
+    "SPAN_KINDS",
+    "COLORS",
+    "row_label",
+    "timeline_traces",
+    "predicted_traces",
+    "timeline_layout",
+    "memory_traces",
+    "curve_traces",
+    "relaunch_marks",
+    "thin",
+    "theoretical_bubble",
+]
+
+SPAN_KINDS = ("F", "B", "R", "send", "recv", "allreduce", "optim")
+"""Measured span kinds, in legend order."""
+COLORS = {
+    "F": "#4C78A8",
+    "B": "#F58518",
+    "R": "#B279A2",
+    "send": "#54A24B",
+    "recv": "#9D9D9D",
+    "allreduce": "#E45756",
+    "optim": "#72B7B2",
+}
+_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "R": "recompute",
+    "send": "send",
+    "recv": "recv (wait)",
+    "allreduce": "all-reduce",
+    "optim": "optimizer",
+}
+_WIDTH = {"send": 0.22, "recv": 0.22}
+_PREDICTED = {"F": "F", "B": "B", "R": "R", "ALLREDUCE": "allreduce"}
+_MIB = 1024 * 1024
+
+
+def row_label(stage: int, replica: int) -> str:
+    """The timeline's row name: "stage 1 · replica 0"."""
+    return f"stage {stage} · replica {replica}"
+
+
+def theoretical_bubble(pipeline: int, microbatches: int) -> float:
+    """(P-1)/(M+P-1): the idle fraction of GPipe, 1F1B and Varuna with uniform stages, free comm."""
+    return (pipeline - 1) / (microbatches + pipeline - 1)
+
+
+def timeline_traces(timeline: Timeline, *, origin: float | None = None) -> list[dict[str, Any]]:
+    """One horizontal bar trace per kind in `SPAN_KINDS` (always all of them, maybe empty).
+
+    x is the duration and `base` the start, both in milliseconds from `origin` (default: the
+    timeline's first span); y is `row_label(stage, replica)`.
+    """
+    t0 = timeline.start if origin is None else origin
+    out: dict[str, dict[str, list[Any]]] = {
+        k: {"x": [], "base": [], "y": [], "customdata": []} for k in SPAN_KINDS
+    }
+    for row in timeline.rows:
+        label = row_label(row.stage, row.replica)
+        for s in row.spans:
+            cols = out.get(s.kind)
+            if cols is None:
+                continue
+            cols["base"].append(round((s.start - t0) * 1e3, 3))
+            cols["x"].append(round(max(s.end - s.start, 0.0) * 1e3, 3))
+            cols["y"].append(label)
+            cols["customdata"].append(
+                [s.step, "" if s.microbatch is None else s.microbatch, s.direction or "", row.rank]
+            )
+    return [
+        {
+            "type": "bar",
+            "orientation": "h",
+            "name": _NAMES[kind],
+            "legendgroup": kind,
+            "marker": {"color": COLORS[kind], "line": {"width": 0}},
+            "width": _WIDTH.get(kind, 0.8),
+            "hovertemplate": f"{_NAMES[kind]} %{{customdata[2]}}%{{customdata[1]}}<br>step %{{customdata[0]}}, "
+            "rank %{customdata[3]}<br>%{base:.1f} ms + %{x:.2f} ms<extra></extra>",
+            **cols,
+        }
+        for kind, cols in out.items()
+    ]
+
+
+def predicted_traces(
+    events: Sequence[dict[str, Any]], *, offset_ms: float = 0.0, replica: int = 0
+) -> list[dict[str, Any]]:
+    """The planner's prediction (`varuna.simulate.Timeline.to_events()`) as outlined bars on the
+    measured rows of `replica`, shifted by `offset_ms` (align it with a measured step's start)."""
+    out: dict[str, dict[str, list[Any]]] = {
+        k: {"x": [], "base": [], "y": []} for k in ("F", "B", "R", "allreduce")
+    }
+    for e in events:
+        kind = _PREDICTED.get(str(e["kind"]))
+        if kind is None:
+            continue
+        out[kind]["base"].append(round(offset_ms + float(e["start"]) * 1e3, 3))
+        out[kind]["x"].append(round((float(e["end"]) - float(e["start"])) * 1e3, 3))
+        out[kind]["y"].append(row_label(int(e["stage"]), replica))
+    return [
+        {
+            "type": "bar",
+            "orientation": "h",
+            "name": f"predicted {_NAMES[kind]}",
+            "legendgroup": f"predicted-{kind}",
+            "marker": {"color": "rgba(0,0,0,0)", "line": {"width": 1.5, "color": COLORS[kind]}},
+            "width": 0.95,
+            "hovertemplate": f"predicted {_NAMES[kind]}<br>%{{base:.1f}} ms + %{{x:.2f}} ms<extra></extra>",
+            **cols,
+        }
+        for kind, cols in out.items()
+    ]
+
+
+def timeline_layout(
+    timeline: Timeline, *, title: str, step_starts_ms: Sequence[float] = ()
+) -> dict[str, Any]:
+    """Axis, title and step separators for `timeline` (rows sorted replica-major, stage 0 on top)."""
+    labels = [
+        row_label(r.stage, r.replica) for r in sorted(timeline.rows, key=lambda r: (r.replica, r.stage))
+    ]
+    return {
+        "title": {"text": title, "font": {"size": 13}},
+        "barmode": "overlay",
+        "xaxis": {"title": {"text": "ms"}, "zeroline": False},
+        "yaxis": {
+            "type": "category",
+            "categoryorder": "array",
+            "categoryarray": labels,
+            "autorange": "reversed",
+        },
+        "shapes": [
+            {
+                "type": "line",
+                "xref": "x",
+                "yref": "paper",
+                "x0": x,
+                "x1": x,
+                "y0": 0,
+                "y1": 1,
+                "line": {"dash": "dot", "width": 1, "color": "#888"},
+            }
+            for x in step_starts_ms
+        ],
+    }
+
+
+def memory_traces(memory: Sequence[StageMemory]) -> list[dict[str, Any]]:
+    """Stacked MiB per stage (parameters, gradients, optimizer, activations) and a peak marker
+    (the CUDA allocator's peak on GPU, the process's peak RSS on CPU)."""
+    x = [f"stage {m.stage}" for m in memory]
+    parts = [
+        ("parameters", "params", "#4C78A8"),
+        ("gradients", "grads", "#F58518"),
+        ("optimizer", "optimizer", "#54A24B"),
+        ("activations", "activations", "#B279A2"),
+    ]
+    traces: list[dict[str, Any]] = [
+        {
+            "type": "bar",
+            "name": name,
+            "x": x,
+            "y": [round(getattr(m, attr) / _MIB, 3) for m in memory],
+            "marker": {"color": color},
+            "hovertemplate": f"{name} %{{y:.1f}} MiB<extra>%{{x}}</extra>",
+        }
+        for name, attr, color in parts
+    ]
+    peaks = [m.cuda_peak if m.cuda_peak is not None else m.peak_rss for m in memory]
+    on_gpu = any(m.cuda_peak is not None for m in memory)
+    traces.append(
+        {
+            "type": "scatter",
+            "mode": "markers",
+            "name": "peak (CUDA allocator)" if on_gpu else "peak RSS (process)",
+            "x": x,
+            "y": [None if p is None else round(p / _MIB, 3) for p in peaks],
+            "marker": {"symbol": "line-ew-open", "size": 28, "line": {"width": 3}, "color": "#222"},
+            "hovertemplate": "peak %{y:.1f} MiB<extra>%{x}</extra>",
+        }
+    )
+    return traces
+
+
+def thin(xs: Sequence[Any], ys: Sequence[Any], max_points: int) -> tuple[list[Any], list[Any]]:
+    """At most `max_points` points: the newest half kept whole, the older part decimated evenly.
+
+    >>> thin(list(range(10)), list(range(10)), 6)
+    ([0, 3, 6, 7, 8, 9], [0, 3, 6, 7, 8, 9])
+    """
+    n = len(xs)
+    if max_points < 2:
+        raise ValueError(f"max_points must be at least 2, got {max_points}")
+    if n <= max_points:
+        return list(xs), list(ys)
+    recent = max_points // 2
+    old_n, keep_old = n - recent, max_points - recent
+    idx = [round(i * (old_n - 1) / max(keep_old - 1, 1)) for i in range(keep_old)] if keep_old > 1 else [0]
+    idx = sorted(set(idx)) + list(range(old_n, n))
+    return [xs[i] for i in idx], [ys[i] for i in idx]
+
+
+def curve_traces(metrics: Sequence[StepMetrics], *, max_points: int = 400) -> list[dict[str, Any]]:
+    """Loss (left axis) and samples/s (right axis) against the step, thinned to `max_points`."""
+    steps = [m.step for m in metrics]
+    sx, loss = thin(steps, [m.loss for m in metrics], max_points)
+    tx, rate = thin(steps, [m.samples_per_s for m in metrics], max_points)
+    return [
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "loss",
+            "x": sx,
+            "y": loss,
+            "line": {"color": "#4C78A8"},
+        },
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "samples/s",
+            "x": tx,
+            "y": rate,
+            "yaxis": "y2",
+            "line": {"color": "#F58518", "width": 1},
+        },
+    ]
+
+
+def relaunch_marks(hellos: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Shapes and annotations marking each launch after the first: where (the step it resumed at)
+    and in what shape ("4×1"), from the rank-0 `hello` events of each launch."""
+    firsts: dict[Any, dict[str, Any]] = {}
+    for e in hellos:
+        if e.get("rank") == 0:
+            firsts.setdefault((e.get("job"), e.get("launch")), e)
+    shapes, notes = [], []
+    for e in list(firsts.values())[1:]:
+        x = int(e.get("step") or 0)
+        shapes.append(
+            {
+                "type": "line",
+                "xref": "x",
+                "yref": "paper",
+                "x0": x,
+                "x1": x,
+                "y0": 0,
+                "y1": 1,
+                "line": {"dash": "dash", "width": 1, "color": "#666"},
+            }
+        )
+        notes.append(
+            {
+                "x": x,
+                "y": 1,
+                "xref": "x",
+                "yref": "paper",
+                "text": f"{e.get('pipeline')}×{e.get('data')}",
+                "showarrow": False,
+                "yanchor": "bottom",
+                "font": {"size": 11},
+            }
+        )
+    return shapes, notes
