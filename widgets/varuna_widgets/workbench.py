@@ -596,16 +596,26 @@ class Workbench:
             if self.problems.value:
                 self.problems.value = ""
             return
-        parts = []
-        for d in dead:
-            what = f"rank {d.rank} (stage {_dash(d.stage)}, replica {_dash(d.replica)}) {d.how}, exit {d.exit_code}"
+        key = (id(ctl.job), len(dead))
+        if self._seen.get("problems") == key:
+            return
+        self._seen["problems"] = key
+        first = [d for d in dead if d.first] or dead[:1]
+        parts = [f"<div>{html.escape(line)}</div>" for line in ctl.summary()[:3]]
+        for d in first:
+            what = f"rank {d.rank} (stage {_dash(d.stage)}, replica {_dash(d.replica)}) {d.how}"
+            if d.exit_code is not None:
+                what += f", exit {d.exit_code}"
             if d.error_type:
                 what += f": {d.error_type}: {d.message}"
-            log = html.escape(d.traceback or d.log or "")
+            log = html.escape(d.traceback or ctl.log_tail(d.rank, 30))
             parts.append(
-                f"<div><b>{'first to fail: ' if d.first else ''}{html.escape(what)}</b>"
-                f"<details><summary>log</summary><pre style='font-size:11px'>{log}</pre></details></div>"
+                f"<div><b>first to fail: {html.escape(what)}</b>"
+                f"<details><summary>its log</summary><pre style='font-size:11px'>{log}</pre></details></div>"
             )
+        others = [d.rank for d in dead if d not in first]
+        if others:
+            parts.append(f"<div>also ended: ranks {', '.join(map(str, others))} (stopped with the job)</div>")
         self.problems.value = (
             "<div class='varuna-dead' style='border-left:4px solid #C62828;padding:4px 8px'>"
             + "".join(parts)
