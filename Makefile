@@ -6,6 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 MPI_WHEEL ?= mpich
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.varuna-installed
 
@@ -32,7 +33,7 @@ bench: install
 
 # JupyterLab on loopback, with a fresh token (printed in the URL), on the quickstart notebook.
 lab: install
-	cd notebooks && exec ../$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. quickstart.ipynb
+	cd notebooks && exec ../$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. $(LAB_ROOT) quickstart.ipynb
 
 # The browser test drives Debian's chromium (never `playwright install`: nothing downloads at run time).
 $(CHROMIUM):
