@@ -215,3 +215,14 @@ def test_refresh_rate_of_a_4x64_pipeline() -> None:
     assert result["spans_drawn"] > 4 * 64 * 2
     assert result["widget_refresh_hz"] > 0 and result["refresh_capacity_hz"] > 0
     assert result["kb_sent_per_refresh"] > 0  # the figures really went through the (encoding) comm
+
+
+def test_display_sends_each_figures_full_state(tmp_path: Path) -> None:
+    ctl, wb = fed(tmp_path, steps=2, stages=2, microbatches=4)
+    try:
+        assert len(wb.timeline_fig._widget_data[0]["x"]) == 0  # a Box's child keeps its construction state
+        wb._repr_mimebundle_()
+        assert len(wb.timeline_fig._widget_data[0]["x"]) == 2 * 2 * 4  # now the drawn spans
+        assert wb.timeline_fig._widget_layout["title"]["text"].startswith("steps 0")
+    finally:
+        wb.close()

@@ -194,7 +194,7 @@ class EventStore:
                     s for s in steps
                     if any((e.get("job"), e.get("launch")) == launch for e in self._spans[s].values())
                 ]  # fmt: skip
-            chosen = [(s, self._spans[s]) for s in steps]
+            chosen = [(s, dict(self._spans[s])) for s in steps]  # the receiver thread adds ranks
         rows: dict[int, TimelineRow] = {}
         for step, by_rank in chosen:
             for rank, event in by_rank.items():

@@ -20,6 +20,7 @@ DOM contract (the browser test relies on it): buttons labelled "Start", "Checkpo
 
 from __future__ import annotations
 
+import copy
 import html
 import threading
 import time
@@ -29,6 +30,7 @@ from typing import Any
 
 import ipywidgets as w
 import plotly.graph_objects as go
+from traitlets import Dict
 
 from varuna.controller import JobController
 from varuna.errors import ConfigError, LaunchError
@@ -150,7 +152,7 @@ class Workbench:
         self.gpus_input.tooltip = "0: resize to P x D; N > 0: let the planner pick a P x D for N devices"
         self.message = w.HTML("")
         self.message.add_class("varuna-message")
-        self.timeline_fig = go.FigureWidget(
+        self.timeline_fig = _Figure(
             data=figures.timeline_traces(_empty_timeline()),
             layout={
                 "height": 300,
@@ -160,7 +162,7 @@ class Workbench:
             },
         )
         self.timeline_fig.add_class("varuna-timeline")
-        self.memory_fig = go.FigureWidget(
+        self.memory_fig = _Figure(
             data=figures.memory_traces([]),
             layout={
                 "height": 280,
@@ -170,7 +172,7 @@ class Workbench:
             },
         )
         self.memory_fig.add_class("varuna-memory")
-        self.curves_fig = go.FigureWidget(
+        self.curves_fig = _Figure(
             data=figures.curve_traces([]),
             layout={
                 "height": 280,
@@ -197,13 +199,24 @@ class Workbench:
                 w.HBox(controls, layout=w.Layout(flex_flow="row wrap")),
                 self.message,
                 self.problems,
-                self.timeline_fig,
-                w.HBox([self.memory_fig, self.curves_fig]),
+                self._slot("timeline_fig"),
+                w.HBox([self._slot("memory_fig"), self._slot("curves_fig")]),
                 self.ranks_table,
             ]
         )
 
+    def _slot(self, attr: str) -> w.Box:
+        return w.Box([getattr(self, attr)])
+
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        with self._draw_lock:
+            # What FigureWidget's own _repr_mimebundle_ does, which a figure inside a Box never gets:
+            # send the figure's full current state, so a new view draws from it rather than from
+            # the construction-time state plus every delta since.
+            for attr in ("timeline_fig", "memory_fig", "curves_fig"):
+                fig = getattr(self, attr)
+                fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
+                fig._widget_data = copy.deepcopy(fig._data)
         return self.view._repr_mimebundle_(**kwargs)
 
     # the job -----------------------------------------------------------------------------------
@@ -621,6 +634,14 @@ class Workbench:
             + "".join(parts)
             + "<div>Press Resume to relaunch from the last checkpoint.</div></div>"
         )
+
+
+class _Figure(go.FigureWidget):  # type: ignore[misc]
+    """A FigureWidget that hears its views' acknowledgements: plotly.js (plotly 6-7) reports each
+    rendered update as `_js2py_widget_layoutDelta`, a name the Python class does not declare, so
+    ipywidgets would drop it."""
+
+    _js2py_widget_layoutDelta = Dict(allow_none=True).tag(sync=True)
 
 
 def _dash(value: Any) -> str:
