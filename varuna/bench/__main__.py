@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph | telemetry) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -31,6 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object on stdout (table to stderr)"
     )
     morph.add_argument("--quick", action="store_true", help="tiny model: a smoke run of every path")
+    telemetry = sub.add_parser(
+        "telemetry",
+        help="throughput with telemetry on vs off in one job; the workbench's refresh rate",
+        description="A 2x1 GPT job under a live JobController, its telemetry paused and recording on "
+        "alternate steps, compared in adjacent pairs: samples/s off and on and the overhead with its "
+        "spread; then the widget refresh rate for 4 stages x 64 micro-batches.",
+    )
+    telemetry.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout (table to stderr)"
+    )
+    telemetry.add_argument(
+        "--quick", action="store_true", help="tiny model, few steps: a smoke run of every path"
+    )
     return parser
 
 
@@ -45,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             from varuna.bench import morph
 
             return morph.main(args)
+        if args.bench == "telemetry":
+            from varuna.bench import telemetry
+
+            return telemetry.main(args)
     except (ConfigError, LaunchError) as exc:
         print(f"varuna bench: error: {exc}", file=sys.stderr)
         return 1
