@@ -532,6 +532,17 @@ class LabPage:
         """Error outputs in the notebook: [{cell (1-based among code cells), ename, evalue, traceback, source}]."""
         return self.page.evaluate(_ERRORS_JS, self.notebook_path) or []
 
+    def raise_cell_error(self, prefix: str = "") -> None:
+        """Fail with the first error output's cell and traceback, if the notebook has one."""
+        errors = self.cell_errors()
+        if errors:
+            e = errors[0]
+            raise self.fail(
+                f"{prefix}code cell {e['cell']} ({e['source']!r}) raised {e['ename']}: {e['evalue']}\n"
+                f"{_ANSI.sub('', e['traceback'])[-3000:]}",
+                step="cell error",
+            )
+
     def run_all_cells(self, *, timeout_s: float = 120.0) -> None:
         """Menu Run > Run All Cells, then wait until every code cell has an execution count.
 
@@ -545,14 +556,7 @@ class LabPage:
         idle_since: list[float] = []
 
         def check() -> tuple[bool, Any]:
-            errors = self.cell_errors()
-            if errors:
-                e = errors[0]
-                raise self.fail(
-                    f"Run All: code cell {e['cell']} ({e['source']!r}) raised {e['ename']}: {e['evalue']}\n"
-                    f"{_ANSI.sub('', e['traceback'])[-3000:]}",
-                    step="cell error",
-                )
+            self.raise_cell_error("Run All: ")
             state = panel.evaluate(_PROMPTS_JS)
             prompts, kernel = state["prompts"], state["kernel"]
             numbered = [bool(re.fullmatch(r"\[\d+\]:", p)) for p in prompts]
@@ -582,14 +586,7 @@ class LabPage:
         panel = self.notebook.element_handle()
 
         def check() -> tuple[bool, Any]:
-            errors = self.cell_errors()
-            if errors:
-                e = errors[0]
-                raise self.fail(
-                    f"code cell {e['cell']} ({e['source']!r}) raised {e['ename']}: {e['evalue']}\n"
-                    f"{_ANSI.sub('', e['traceback'])[-3000:]}",
-                    step="cell error",
-                )
+            self.raise_cell_error()
             state = panel.evaluate(_PROMPTS_JS)
             done = all(re.fullmatch(r"\[\d+\]:", p) for p in state["prompts"][:count])
             return done and state["kernel"] == "idle", state

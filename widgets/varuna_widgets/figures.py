@@ -152,19 +152,21 @@ def timeline_layout(
             "categoryarray": labels,
             "autorange": "reversed",
         },
-        "shapes": [
-            {
-                "type": "line",
-                "xref": "x",
-                "yref": "paper",
-                "x0": x,
-                "x1": x,
-                "y0": 0,
-                "y1": 1,
-                "line": {"dash": "dot", "width": 1, "color": "#888"},
-            }
-            for x in step_starts_ms
-        ],
+        "shapes": [_vline(x, dash="dot", color="#888") for x in step_starts_ms],
+    }
+
+
+def _vline(x: float, *, dash: str, color: str) -> dict[str, Any]:
+    """A thin vertical line across the whole plot at data x = `x`."""
+    return {
+        "type": "line",
+        "xref": "x",
+        "yref": "paper",
+        "x0": x,
+        "x1": x,
+        "y0": 0,
+        "y1": 1,
+        "line": {"dash": dash, "width": 1, "color": color},
     }
 
 
@@ -259,18 +261,7 @@ def relaunch_marks(hellos: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any
     shapes, notes = [], []
     for e in list(firsts.values())[1:]:
         x = int(e.get("step") or 0)
-        shapes.append(
-            {
-                "type": "line",
-                "xref": "x",
-                "yref": "paper",
-                "x0": x,
-                "x1": x,
-                "y0": 0,
-                "y1": 1,
-                "line": {"dash": "dash", "width": 1, "color": "#666"},
-            }
-        )
+        shapes.append(_vline(x, dash="dash", color="#666"))
         notes.append(
             {
                 "x": x,

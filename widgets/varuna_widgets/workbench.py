@@ -32,6 +32,7 @@ import ipywidgets as w
 import plotly.graph_objects as go
 from traitlets import Dict
 
+from varuna._store import Timeline
 from varuna.controller import JobController
 from varuna.errors import ConfigError, LaunchError
 from varuna_widgets import figures
@@ -469,9 +470,9 @@ class Workbench:
             label += f" · loss {last.loss:.3f} · {last.samples_per_s:.1f} samples/s"
         self.progress_label.value = html.escape(label)
 
-    def _hello(self, ctl: JobController) -> dict[str, Any] | None:
-        hellos = [e for e in ctl.store.events("hello") if e.get("rank") == 0]
-        return hellos[-1] if hellos else None
+    def _rank0_hellos(self, ctl: JobController) -> list[dict[str, Any]]:
+        """Rank 0's `hello` of every launch, oldest first."""
+        return [e for e in ctl.store.events("hello") if e.get("rank") == 0]
 
     def _draw_timeline(self, ctl: JobController, metrics: list[Any]) -> None:
         until = None
@@ -525,7 +526,8 @@ class Workbench:
     def _timeline_title(self, ctl: JobController, steps: list[int], metrics: list[Any]) -> str:
         if not steps:
             return "timeline: waiting for spans"
-        hello = self._hello(ctl) or {}
+        hellos = self._rank0_hellos(ctl)
+        hello = hellos[-1] if hellos else {}
         shown = [m for m in metrics if m.step in set(steps)]
         measured = sum(m.bubble for m in shown) / len(shown) if shown else None
         p, m, schedule = hello.get("pipeline"), hello.get("num_microbatches"), hello.get("schedule")
@@ -555,7 +557,7 @@ class Workbench:
             return
         self._seen["curves"] = key
         traces = figures.curve_traces(metrics, max_points=self.max_points)
-        shapes, notes = figures.relaunch_marks([e for e in ctl.store.events("hello") if e.get("rank") == 0])
+        shapes, notes = figures.relaunch_marks(self._rank0_hellos(ctl))
         with self.curves_fig.batch_update():
             for trace, new in zip(self.curves_fig.data, traces):
                 trace.x, trace.y = new["x"], new["y"]
@@ -648,7 +650,5 @@ def _dash(value: Any) -> str:
     return "—" if value is None else html.escape(str(value))
 
 
-def _empty_timeline() -> Any:
-    from varuna._store import Timeline
-
+def _empty_timeline() -> Timeline:
     return Timeline([], [], 0.0, 0.0)
