@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from varuna.bench import morph
 from varuna.bench.morph import MorphBench, quick
 from varuna.errors import ConfigError
 
@@ -25,7 +26,7 @@ POSITIVE = (
     "write_s",
     "write_mb_s",
     "plain_write_mb_s",
-    "plain_write_cold_mb_s",
+    "plain_write_warm_mb_s",
     "write_fraction_of_plain",
     "relaunch_s",
     "load_s",
@@ -69,3 +70,20 @@ def test_morph_bench_config_errors_name_the_setting() -> None:
         MorphBench(early_checkpoint_step=2)
     with pytest.raises(ConfigError, match=r"MorphBench.steps_after must be a positive integer \(got 0\)"):
         MorphBench(steps_after=0)
+    with pytest.raises(ConfigError, match=r"MorphBench.plain_write_settle_s must be >= 0 seconds \(got -1\)"):
+        MorphBench(plain_write_settle_s=-1)
+
+
+def test_plain_writes_keep_their_files_until_the_last(tmp_path: Path, monkeypatch) -> None:
+    seen: list[int] = []
+    real = morph.plain_write
+
+    def spy(folder: Path, nbytes: int, **kw) -> dict[str, float]:
+        seen.append(len(list(folder.iterdir())))
+        return real(folder, nbytes, **kw)
+
+    monkeypatch.setattr(morph, "plain_write", spy)
+    fresh, warm = morph.plain_writes(tmp_path, 1 << 20, repeats=3, settle_s=0)
+    assert seen == [0, 1, 2, 0]  # each new-page write finds the earlier files still there; the warm one none
+    assert len(fresh) == 3 and all(r["mb_s"] > 0 for r in fresh) and warm["mb_s"] > 0
+    assert list(tmp_path.iterdir()) == []

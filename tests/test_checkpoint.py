@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from varuna import Varuna
+from varuna import checkpoint as ckpt
 from varuna.data import SyntheticLM, collate
 from varuna.errors import CheckpointError
 from varuna.models import GPT, GPTConfig, gpt_tiny
@@ -140,7 +142,7 @@ def test_other_global_batch_is_refused_unless_allowed(saved: Path) -> None:
 
 KILLER = """
 import os, signal, sys, torch
-import varuna.checkpoint as ckpt
+import varuna._checkpoint_io as cio
 from varuna import Varuna
 from varuna.data import SyntheticLM, collate
 from varuna.models import GPT, gpt_tiny
@@ -152,7 +154,7 @@ engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
 engine.step(engine.batch(data, 0))
 engine.checkpoint()
 engine.step(engine.batch(data, 1))
-ckpt._crc = lambda path: os.kill(os.getpid(), signal.SIGKILL)  # dies after the data, before the commit
+cio.file_crc = lambda path: os.kill(os.getpid(), signal.SIGKILL)  # dies after the data, before the commit
 engine.checkpoint()
 """
 
@@ -185,3 +187,116 @@ def test_other_optimizer_is_refused(saved: Path) -> None:
         engine.set_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
     del data
     engine.close()
+
+
+def test_every_byte_is_in_one_extent_with_its_crc(saved: Path) -> None:
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+
+    ckpt.verify(saved, deep=True)
+    extents = dcp.FileSystemReader(str(saved)).read_metadata().storage_data.values()
+    by_file: dict[str, list] = {}
+    for e in extents:
+        by_file.setdefault(e.relative_path, []).append(e)
+    for fname, es in by_file.items():
+        data = (saved / fname).read_bytes()
+        es.sort(key=lambda e: e.offset)
+        assert [e.offset for e in es] == [sum(x.length for x in es[:i]) for i in range(len(es))]
+        assert sum(e.length for e in es) == len(data)
+        for e in es:  # the CRC computed from memory while writing is the CRC of what is on disk
+            assert zlib.crc32(data[e.offset : e.offset + e.length]) == e.crc32
+
+
+def test_deep_verify_names_the_damaged_tensor(saved: Path) -> None:
+    victim = next(saved.glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    victim.write_bytes(bytes(data))
+    ckpt.verify(saved)  # sizes and the small files are fine; tensors are checked as they are read
+    with pytest.raises(
+        CheckpointError, match=rf"checkpoint file .*{victim.name} is corrupted: the bytes of '"
+    ):
+        ckpt.verify(saved, deep=True)
+
+
+def test_checkpoint_of_another_format_is_refused(saved: Path) -> None:
+    manifest = json.loads((saved / "manifest.json").read_text())
+    (saved / "manifest.json").write_text(json.dumps(manifest | {"format": 1}))
+    with pytest.raises(CheckpointError, match=rf"has format 1, this Varuna reads {ckpt.FORMAT}"):
+        make(saved.parent.parent, resume=saved)
+
+
+def test_loads_into_tensors_of_another_dtype_or_layout(saved: Path) -> None:
+    stored = ckpt.stored_tensors(saved)
+    key = next(k for k, (shape, _) in stored.items() if k.startswith("model.") and len(shape) == 2)
+    shape, dtype = stored[key]
+    exact = {key: torch.empty(shape, dtype=dtype)}
+    ckpt.load_tensors(saved, exact)
+    wide = {key: torch.empty(shape, dtype=torch.float64)}
+    strided = {key: torch.empty(shape[::-1], dtype=dtype).t()}  # not contiguous: read, then copied
+    ckpt.load_tensors(saved, wide)
+    ckpt.load_tensors(saved, strided)
+    assert torch.equal(wide[key], exact[key].double()) and torch.equal(strided[key], exact[key])
+
+
+def test_only_tensors_are_saved(tmp_path: Path) -> None:
+    from varuna.distributed import init_distributed
+
+    rank, _ = init_distributed()
+    with pytest.raises(CheckpointError, match=r"checkpoint entry 'answer' is not a tensor"):
+        ckpt.save(tmp_path, 1, {"w": torch.ones(3), "answer": 42}, {"format": ckpt.FORMAT}, rank=rank, keep=1)  # type: ignore[dict-item]
+    assert not (tmp_path / "latest").exists()
+
+
+TWO_RANKS = """
+import sys, torch, torch.distributed as dist
+from varuna import Varuna
+from varuna.data import SyntheticLM
+from varuna.errors import CheckpointError
+from varuna.models import GPT, gpt_tiny
+torch.manual_seed(0)
+cfg = gpt_tiny()
+data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
+resume = None if sys.argv[1] == "fresh" else sys.argv[1]
+try:
+    engine = Varuna(GPT(cfg), global_batch_size=8, micro_batch_size=2, resume=resume)
+except CheckpointError as exc:
+    print(f"refused on rank {dist.get_rank()}: {exc}", flush=True)
+    sys.exit(0)
+engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+engine.step(engine.batch(data, 0))
+engine.checkpoint()
+"""
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_damage_found_by_one_rank_fails_the_load_on_every_rank(tmp_path: Path) -> None:
+    """At 1x2 both ranks read every tensor and each checks about half of them: the one that finds the
+    damage and the one that does not both raise the error naming the file."""
+    script, run = tmp_path / "two_ranks.py", tmp_path / "run"
+    script.write_text(TWO_RANKS)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+    def job(resume: str) -> str:
+        cmd = [sys.executable, "-m", "varuna", "run", "-p", "1", "-d", "2", "--run-dir", str(run)]
+        proc = subprocess.run(
+            [*cmd, str(script), resume], env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return proc.stdout + proc.stderr
+
+    job("fresh")
+    saved = run / "checkpoints" / "step-00000001"
+    files = sorted(saved.glob("*.distcp"))
+    assert len(files) == 2  # the replicas' copies are written once, split over both ranks
+    victim = files[1]  # one byte of one tensor: exactly one of the ranks checks it
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    text = job(str(saved))
+    for rank in (0, 1):
+        assert re.search(
+            rf"refused on rank {rank}: checkpoint file .*{victim.name} is corrupted: the bytes of '", text
+        ), text

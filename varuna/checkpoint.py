@@ -4,15 +4,22 @@ Layout under the run directory:
 
     checkpoints/
       step-00000012/            a committed checkpoint (renamed from .step-00000012.tmp when complete)
-        .metadata, __R_0.distcp torch.distributed.checkpoint: "model.<name>", "optim.<name>.<key>",
-                                "rng.rank<r>" — replicated copies (data parallel, tied) written once
+        .metadata               torch.distributed.checkpoint's metadata: every key's shape and dtype,
+                                and where its bytes lie (file, offset, length, CRC-32 of the bytes)
+        __R_0.distcp            rank R's tensors, "model.<name>", "optim.<name>.<key>", "rng.rank<r>",
+                                their raw bytes one after the other — replicated copies (data
+                                parallel, tied) written once
         extra.pt                step, config, loss scale, LR scheduler, optimizer hyper-parameters
-        manifest.json           every file with its size and CRC-32, written last
+        manifest.json           every file with its size (and CRC-32 of the small ones), written last
       latest                    the name of the newest committed checkpoint, replaced atomically
 
 A kill at any moment leaves `latest` on a complete checkpoint: the data goes to a temporary
-directory, the manifest is written after every byte, the directory is renamed, and only then is
-`latest` replaced. Loading checks the manifest (presence, sizes, checksums) before reading.
+directory, the manifest is written after every byte is fsynced, the directory is renamed, and
+only then is `latest` replaced. Loading checks the manifest on one rank (every file there with
+its size, `.metadata` and `extra.pt` matching their CRC-32), then every tensor's bytes as they
+are read, against the CRC-32 computed from memory when they were written (see
+`varuna._checkpoint_io`): a truncated or damaged file fails the load on every rank, naming it.
+`verify(path, deep=True)` checks every byte of every file without loading.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ import json
 import os
 import shutil
 import time
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,21 +36,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from varuna import _checkpoint_io as cio
 from varuna._files import write_atomic
 from varuna.errors import CheckpointError
 
 __all__ = ["save", "resolve", "verify", "read_extra", "load_tensors", "checkpoint_names", "FORMAT"]
 
-FORMAT = 1
-_CHUNK = 1 << 22
-
-
-def _crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+FORMAT = 2
+"""2: raw tensor bytes with a CRC-32 per extent (1 was DCP's torch.save records, CRC-32 per file)."""
+_SMALL = (".metadata", "extra.pt")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -80,25 +80,29 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    dcp.save(tensors, checkpoint_id=str(tmp))
-    # Each rank checksums the files it wrote; rank 0 adds the rest and commits.
-    mine = {p.name: (p.stat().st_size, _crc(p)) for p in tmp.glob(f"__{rank}_*.distcp")}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    # Every rank's data file is written and fsynced, and rank 0 has written .metadata (with the
+    # extents' CRC-32s, fsynced too), when dcp.save returns.
+    with cio.dcp_errors(f"checkpoint {tmp} could not be written"):
+        dcp.save(tensors, storage_writer=cio.Writer(tmp))
     size = 0
     if rank == 0:
         torch.save(extra, tmp / "extra.pt")
-        files: dict[str, Any] = {}
-        for part in everyone:
-            files.update({k: {"bytes": v[0], "crc32": v[1]} for k, v in part.items()})
-        for fname in (".metadata", "extra.pt"):
+        files: dict[str, Any] = {p.name: {"bytes": p.stat().st_size} for p in sorted(tmp.glob("*.distcp"))}
+        for fname in _SMALL:
             p = tmp / fname
-            files[fname] = {"bytes": p.stat().st_size, "crc32": _crc(p)}
+            files[fname] = {"bytes": p.stat().st_size, "crc32": cio.file_crc(p)}
         size = sum(f["bytes"] for f in files.values())
-        manifest = {"format": FORMAT, "step": step, "created": time.time(), "files": files, "bytes": size}
-        write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode(), fsync=True)
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "created": time.time(),
+            "files": files,
+            "bytes": size,
+            "checksums": "crc32 of the small files here; of every tensor's bytes in .metadata",
+        }
         with open(tmp / "extra.pt", "rb") as f:  # DCP's writer fsyncs its own files
             os.fsync(f.fileno())
+        write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode(), fsync=True)
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -131,8 +135,13 @@ def resolve(resume: str | os.PathLike[str], run_dir: Path | None) -> Path | None
     return path
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """Check the manifest against the files on disk; returns the manifest."""
+def verify(path: Path, *, deep: bool = False) -> dict[str, Any]:
+    """Check the manifest against the files on disk; returns the manifest.
+
+    Every file must be there with the size the manifest gives, and the small files (`.metadata`,
+    `extra.pt`) must match their CRC-32. The tensors' bytes are checked as they are loaded (see
+    the module docstring); `deep=True` reads every data file here and checks every extent.
+    """
     manifest_path = path / "manifest.json"
     if not manifest_path.exists():
         raise CheckpointError(
@@ -143,6 +152,11 @@ def verify(path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {path}: manifest.json is not valid JSON ({exc})") from exc
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} has format {manifest.get('format')}, this Varuna reads {FORMAT} "
+            "(resave it with the Varuna that wrote it, or start without resume=)"
+        )
     for fname, info in manifest["files"].items():
         f = path / fname
         if not f.exists():
@@ -152,8 +166,10 @@ def verify(path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint file {f} is truncated or damaged: {actual} bytes, the manifest says {info['bytes']}"
             )
-        if _crc(f) != info["crc32"]:
+        if "crc32" in info and cio.file_crc(f) != info["crc32"]:
             raise CheckpointError(f"checkpoint file {f} is corrupted: its CRC-32 does not match the manifest")
+    if deep:
+        cio.verify_extents(path, manifest)
     return manifest
 
 
@@ -174,17 +190,18 @@ def stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     out = {}
     for key, md in metadata.state_dict_metadata.items():
-        if hasattr(md, "size"):
+        if isinstance(md, dcp.TensorStorageMetadata):
             out[key] = (tuple(md.size), md.properties.dtype)
     return out
 
 
 def load_tensors(path: Path, tensors: Mapping[str, torch.Tensor], *, process_group: Any = None) -> None:
-    """Collective over `process_group` (default: all ranks): fill `tensors` in place from the checkpoint."""
-    try:
-        dcp.load(dict(tensors), checkpoint_id=str(path), process_group=process_group)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path} could not be read: {type(exc).__name__}: {exc}") from exc
+    """Collective over `process_group` (default: all ranks): fill `tensors` in place from the checkpoint.
+
+    A damaged extent fails the load on every rank with the same CheckpointError naming the file.
+    """
+    with cio.dcp_errors(f"checkpoint {path} could not be read"):
+        dcp.load(dict(tensors), storage_reader=cio.Reader(path), process_group=process_group)
 
 
 # ---------------------------------------------------------------------------------------------------

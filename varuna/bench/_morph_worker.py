@@ -82,9 +82,10 @@ class _Probe:
     """Wall seconds this process spends in the calls `varuna.checkpoint` makes, by kind.
 
     The bench times the library from outside without editing it: `install` rebinds names in
-    `varuna.checkpoint` (its `_crc`, and its `dcp` and `dist` modules through a `_Delegate`) and
-    wraps `os.fsync` process-wide (so the fsyncs inside `dcp.save` count too: `fsync` overlaps
-    `dcp.save`). A name the module no longer has is skipped, so a refactor loses detail, not the run.
+    `varuna._checkpoint_io` (`checksum`) and `varuna.checkpoint` (its `dcp` and `dist` modules
+    through a `_Delegate`), and wraps `os.fsync` process-wide (so the checksums and fsyncs inside
+    `dcp.save` and `dcp.load` count too: `crc32` and `fsync` overlap them). A name the module no
+    longer has is skipped, so a refactor loses detail, not the run.
     """
 
     def __init__(self) -> None:
@@ -102,10 +103,11 @@ class _Probe:
         return timed
 
     def install(self) -> None:
+        from varuna import _checkpoint_io as cio
         from varuna import checkpoint as vck
 
-        if hasattr(vck, "_crc"):
-            vck._crc = self._wrap("crc32", vck._crc)  # type: ignore[attr-defined]
+        if hasattr(cio, "checksum"):  # every CRC-32 computation, the in-memory ones inside dcp.save/load too
+            cio.checksum = self._wrap("crc32", cio.checksum)  # type: ignore[method-assign]
         if hasattr(vck, "dcp"):
             vck.dcp = _Delegate(  # type: ignore[assignment]
                 vck.dcp, save=self._wrap("dcp.save", vck.dcp.save), load=self._wrap("dcp.load", vck.dcp.load)
@@ -185,7 +187,7 @@ def main(argv: list[str]) -> None:
                 events("checkpoint", **last, phases=probe.take())
             elif not resumed and step == spec.get("early_checkpoint_step"):
                 engine.checkpoint()  # as periodic checkpointing would: the morph's is not the first
-                events("early_checkpoint", **engine.last_checkpoint, phases=probe.take())
+                events("early_checkpoint", **(engine.last_checkpoint or {}), phases=probe.take())
         events("done", step=engine.step_count)
     finally:
         faulthandler.cancel_dump_traceback_later()
