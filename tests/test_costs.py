@@ -109,3 +109,43 @@ def test_model_signature_tracks_names_and_shapes() -> None:
     assert model_signature(a) == model_signature(b) == model_signature([("weight", (4, 4)), ("bias", (4,))])
     assert model_signature(a) != model_signature(nn.Linear(4, 5))
     assert len(model_signature(a)) == 16
+
+
+def test_per_world_allreduce_slowdown_and_update_round_trip(tmp_path: Path) -> None:
+    net = NetworkCost(
+        p2p_latency_s=1e-4,
+        p2p_bandwidth_Bps=1e9,
+        allreduce={2: [(0, 1.0), (100, 2.0)]},
+        allreduce_by_world={2: {2: [(0, 0.5), (100, 1.0)]}, 4: {2: [(0, 1.0), (100, 2.0)]}},
+    )
+    assert net.allreduce_time(100, 2, world=2) == 1.0  # a 1 x 2 job reduces alone
+    assert net.allreduce_time(100, 2, world=4) == 2.0  # two groups of a 2 x 2 job at once
+    assert net.allreduce_time(100, 2) == net.allreduce_time(100, 2, world=8) == 2.0  # the profiled layout
+    t = table(
+        network=net,
+        segments=[segment(update_s=0.25), segment()],
+        compute_slowdown={1: 1.0, 2: 1.1, 4: 2.2},
+    )
+    back = CostTable.load(t.save(tmp_path / "profile.json"))
+    assert back == t and back.segments[0].update_s == 0.25 and back.segments[1].update_s == 0.0
+    assert [t.slowdown(n) for n in (1, 2, 3, 4, 8)] == pytest.approx([1.0, 1.1, 1.65, 2.2, 2.2])
+    assert table().slowdown(4) == 1.0  # unmeasured: each rank has a device of its own
+    # a profile written before these fields existed still loads, with the defaults
+    old = t.to_json()
+    del old["compute_slowdown"], old["network"]["allreduce_by_world"], old["segments"][0]["update_s"]
+    legacy = CostTable.from_json(old)
+    assert legacy.compute_slowdown == {} and legacy.network.allreduce_by_world == {}
+    assert legacy.segments[0].update_s == 0.0
+
+
+def test_new_fields_validate() -> None:
+    with pytest.raises(ConfigError, match=r"update_s = -1.0; it must be a finite number >= 0"):
+        segment(update_s=-1.0)
+    with pytest.raises(ConfigError, match=r"compute_slowdown\[2\] = 0.0; give rank counts >= 1"):
+        table(compute_slowdown={2: 0.0})
+    with pytest.raises(
+        ConfigError, match=r"allreduce_by_world\[4\]: group size 3 must be an integer >= 2 dividing"
+    ):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, allreduce_by_world={4: {3: [(1, 1.0)]}})
+    with pytest.raises(ConfigError, match=r"allreduce_by_world\[2\]\[2\] has no measured points"):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, allreduce_by_world={2: {2: []}})

@@ -9,7 +9,7 @@ import pytest
 
 from varuna.cli import main
 from varuna.costs import CostTable, NetworkCost, SegmentCost
-from varuna.plan import Candidate, PlanError, PlanResult, format_bytes, parse_memory, plan
+from varuna.plan import Candidate, PlanError, PlanResult, format_bytes, parse_memory, plan, predict
 from varuna.simulate import StageCost, simulate
 
 GiB = 2**30
@@ -230,3 +230,64 @@ def test_cli_plan_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
         == 2
     )
     assert "varuna: error: no profile at" in capsys.readouterr().err
+
+
+def test_shared_cores_and_the_update_enter_the_prediction() -> None:
+    import dataclasses
+
+    base = uniform_table(segments=4)
+    kw = {"gpus": 4, "memory_bytes": 64 * GiB, "global_batch_size": 8, "schedules": ("1f1b",)}
+
+    def pick(table: CostTable, P: int) -> Candidate:
+        result = plan(table, **kw)  # type: ignore[arg-type]
+        return next(c for c in result.ranked if c.pipeline == P and c.micro_batch_size == 1)
+
+    def step(table: CostTable, P: int) -> float:
+        return pick(table, P).predicted_step_s
+
+    # 4 ranks on 2 cores: two busy ranks run at full speed, four at half
+    shared = dataclasses.replace(base, compute_slowdown={1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0})
+    compute = pick(base, 1).timeline.busy_s[0]
+    assert step(shared, 1) == pytest.approx(step(base, 1) + compute)  # 4 replicas: always all busy
+    assert pick(shared, 1).timeline.busy_s[0] == pytest.approx(2 * compute)
+    assert step(base, 4) < step(shared, 4) < 2 * step(base, 4)  # the pipeline's bubbles leave cores free
+    seg = dataclasses.replace(base.segments[0], update_s=0.01)
+    updated = dataclasses.replace(base, segments=[seg] * 4)
+    assert step(updated, 4) == pytest.approx(step(base, 4) + 0.01)  # one segment per stage, in parallel
+    assert step(updated, 1) == pytest.approx(step(base, 1) + 0.04)
+
+
+def test_plan_can_be_restricted_to_what_a_user_fixed() -> None:
+    result = plan(
+        uniform_table(),
+        gpus=4,
+        memory_bytes=64 * GiB,
+        global_batch_size=32,
+        micro_batch_sizes=(2,),
+        pipelines=(2,),
+    )
+    assert {(c.pipeline, c.micro_batch_size) for c in result.ranked} == {(2, 2)}
+    with pytest.raises(
+        PlanError, match=r"pipeline depths \[3\] do not divide 4 GPUs \(possible: \[1, 2, 4\]\)"
+    ):
+        plan(uniform_table(), gpus=4, memory_bytes=64 * GiB, global_batch_size=32, pipelines=(3,))
+    with pytest.raises(PlanError, match=r"micro-batch sizes \[8\] are not in the profile"):
+        plan(uniform_table(), gpus=4, memory_bytes=64 * GiB, global_batch_size=32, micro_batch_sizes=(8,))
+
+
+def test_predict_one_configuration_with_its_boundaries() -> None:
+    table = uniform_table()
+    kw = {"pipeline": 2, "data": 2, "micro_batch_size": 2, "schedule": "1f1b", "global_batch_size": 32}
+    planned = plan(table, gpus=4, memory_bytes=64 * GiB, global_batch_size=32, schedules=("1f1b",))
+    best = next(c for c in planned.ranked if (c.pipeline, c.micro_batch_size, c.recompute) == (2, 2, False))
+    assert predict(table, **kw).predicted_step_s == best.predicted_step_s  # type: ignore[arg-type]
+    lopsided = predict(table, boundaries=[0], **kw)  # type: ignore[arg-type]
+    assert lopsided.boundaries == (0,) and lopsided.predicted_step_s > best.predicted_step_s
+    with pytest.raises(PlanError, match=r"boundaries \[3, 5\]: P=2 needs 1 strictly increasing CutPoint"):
+        predict(table, boundaries=[3, 5], **kw)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=r"micro-batch size 3 is not in the profile"):
+        predict(table, **(kw | {"micro_batch_size": 3}))  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=r"P=16 > 8 segments"):
+        predict(table, **(kw | {"pipeline": 16}))  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=r"global batch 32 not divisible by D x mbs = 3 x 2"):
+        predict(table, **(kw | {"data": 3}))  # type: ignore[arg-type]

@@ -61,6 +61,7 @@ def test_gpt_segments_times_and_bytes(gpt_table: tuple[GPT, CostTable]) -> None:
             assert seg.activation_memory_bytes[m] > 0
         assert seg.activation_memory_bytes[4] > 3 * seg.activation_memory_bytes[1]
         assert seg.grad_bytes == seg.param_bytes and seg.optimizer_bytes == 2 * seg.param_bytes
+        assert seg.update_s > 0, j  # every segment holds parameters: a norm and an AdamW step
     assert sum(s.param_bytes for s in table.segments) == 4 * count_parameters(model)  # tied wte once
     assert table.tied_bytes == 4 * model.wte.weight.numel()
     assert table.segments[0].param_bytes > table.segments[1].param_bytes  # wte lives in segment 0
@@ -126,6 +127,14 @@ def test_slow_segment_is_measured_slower() -> None:
             assert times[1] >= 0.009 and times[1] > 5 * max(times[0], times[2]), (kind, m, times)
     assert model.blocks[0].weight.grad is sentinel and model.blocks[1].weight.grad is None
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_profile_leaves_the_weights_as_they_were(gpt_table: tuple[GPT, CostTable]) -> None:
+    torch.manual_seed(0)
+    fresh = GPT(gpt_tiny())  # the fixture's model was profiled (an AdamW step per segment, undone)
+    model, _ = gpt_table
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_auto_cut_model_has_the_manual_model_signature() -> None:
@@ -195,5 +204,7 @@ def test_varuna_profile_two_ranks(tmp_path: Path) -> None:
     assert table.network.p2p_latency_s > 0 and table.network.p2p_bandwidth_Bps > 0
     assert list(table.network.allreduce) == [2]
     assert all(t > 0 for _, t in table.network.allreduce[2]) and len(table.network.allreduce[2]) == 5
+    assert table.network.allreduce_by_world == {2: table.network.allreduce}
+    assert set(table.compute_slowdown) == {1, 2} and table.compute_slowdown[1] == 1.0
     assert not (run_dir / "engine.json").exists()  # the real engine never started: no training ran
     assert "varuna profile" in (run_dir / "logs" / "rank0.log").read_text()  # the progress bar

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from varuna.errors import ScheduleError
-from varuna.simulate import Span, StageCost, simulate
+from varuna.simulate import Sharing, Span, StageCost, simulate
 
 U = StageCost(forward_s=1.0, backward_s=2.0)
 
@@ -149,6 +149,49 @@ def test_events_are_plain_dicts() -> None:
     assert kinds == {"F", "B", "ALLREDUCE"}
 
 
+ONE = StageCost(forward_s=1.0, backward_s=1.0)
+TWO_ON_ONE_CORE = Sharing(replicas=1, slowdown={1: 1.0, 2: 2.0})
+
+
+def test_parameter_update_ends_the_step() -> None:
+    t = simulate("gpipe", 2, 1, [U, U], update_s=[0.5, 0.25])
+    assert t.step_s == 6.0 + 0.5 and t.update_s == [0.5, 0.25]
+
+
+def test_shared_cores_stretch_only_what_overlaps() -> None:
+    # no two stages ever compute at once in a 2-stage pipeline of one micro-batch: nothing changes
+    alone = simulate("gpipe", 2, 1, [U, U], sharing=TWO_ON_ONE_CORE)
+    assert alone.step_s == 6.0
+    # GPipe, P=2, M=2, f=b=1; stage 0's F1 and stage 1's F0 both start at 1 and share the core, so
+    # both end at 3; stage 1's F1 runs alone [3,4], B0 [4,5]; stage 0's B0 and stage 1's B1 share
+    # [5,7]; stage 0's B1 alone [7,8]
+    t = simulate("gpipe", 2, 2, [ONE, ONE], sharing=TWO_ON_ONE_CORE)
+    near = pytest.approx
+    assert compute(t.spans[0]) == [
+        ("F0", 0, 1),
+        ("F1", 1, near(3)),
+        ("B0", near(5), near(7)),
+        ("B1", near(7), near(8)),
+    ]
+    assert compute(t.spans[1]) == [
+        ("F0", 1, near(3)),
+        ("F1", near(3), near(4)),
+        ("B0", near(4), near(5)),
+        ("B1", near(5), near(7)),
+    ]
+    assert t.step_s == pytest.approx(8.0)
+
+
+def test_replicas_share_the_cores_too() -> None:
+    # two replicas of one stage: every action has its twin running, so twice as long
+    t = simulate("1f1b", 1, 3, [U], sharing=Sharing(replicas=2, slowdown={2: 2.0}), update_s=[0.5])
+    assert t.step_s == pytest.approx(2 * 9.0 + 2 * 0.5)
+    # the updates start together: both stages run at half speed until stage 0's (1 s) is done at 2,
+    # then stage 1 finishes its last second alone
+    two = simulate("gpipe", 2, 1, [U, U], update_s=[1.0, 2.0], sharing=TWO_ON_ONE_CORE)
+    assert two.update_s == pytest.approx([2.0, 3.0]) and two.step_s == pytest.approx(6.0 + 3.0)
+
+
 def test_bad_input() -> None:
     with pytest.raises(ScheduleError, match="stage_costs has 1 entries but the schedule has 2 stages"):
         simulate("gpipe", 2, 2, [U])
@@ -156,3 +199,7 @@ def test_bad_input() -> None:
         simulate("gpipe", 2, 2, [U, U], comm=[1.0, 2.0])
     with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
         simulate("zb", 2, 2, [U, U])  # type: ignore[arg-type]
+    with pytest.raises(ScheduleError, match=r"update_s per stage needs 2 values >= 0"):
+        simulate("gpipe", 2, 2, [U, U], update_s=[1.0])
+    with pytest.raises(ScheduleError, match=r"Sharing.replicas = 0; it must be at least 1"):
+        simulate("gpipe", 2, 2, [U, U], sharing=Sharing(replicas=0, slowdown={2: 2.0}))

@@ -2,11 +2,16 @@
 against size for each data-parallel group size, along the stage layout the engine uses
 (rank r is stage r % P of replica r // P, so the group of stage s is {s, s+P, s+2P, ...}).
 
+The all-reduce curves are measured for every world size w dividing the job's (only ranks < w
+active, all groups of that layout at once): a 1 x 2 job reduces alone, a 2 x 2 job's two groups
+reduce together, and on a shared host the difference is real (`NetworkCost.allreduce_by_world`).
+
 Collective: every rank of the job calls `profile_network()`; all get the same `NetworkCost`.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -67,21 +72,24 @@ def _p2p(rank: int, device: torch.device, nbytes: int, repeats: int) -> tuple[fl
     return float(result[0]), float(result[1])
 
 
-def _allreduce(group_size: int, world: int, rank: int, sizes: Sequence[int], repeats: int,
+def _allreduce(group_size: int, active: int, rank: int, sizes: Sequence[int], repeats: int,
                device: torch.device) -> list[tuple[int, float]]:  # fmt: skip
-    """(bytes, seconds) of all-reduces in the data-parallel groups {s, s+P, s+2P, ...}, P = world/g.
+    """(bytes, seconds) of all-reduces in the data-parallel groups {s, s+P, s+2P, ...}, P = active/g,
+    of a job of `active` ranks (ranks >= `active` only wait).
 
     Every group runs at once, as the stages' gradient all-reduces do; the slowest group counts.
     """
-    stride = world // group_size
+    stride = active // group_size
     groups = [dist.new_group([s + r * stride for r in range(group_size)]) for s in range(stride)]
-    mine = groups[rank % stride]
-    dist.all_reduce(torch.zeros(1, device=device), group=mine)  # a new group connects lazily
+    mine = groups[rank % stride] if rank < active else None
+    if mine is not None:
+        dist.all_reduce(torch.zeros(1, device=device), group=mine)  # a new group connects lazily
     times = torch.zeros(len(sizes), dtype=torch.float64, device=device)
     for i, nbytes in enumerate(sizes):
         buf = torch.zeros(max(nbytes // 4, 1), device=device)
         dist.barrier()
-        times[i] = _timed(lambda b=buf: dist.all_reduce(b, group=mine), device, repeats)
+        if mine is not None:
+            times[i] = _timed(functools.partial(dist.all_reduce, buf, group=mine), device, repeats)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     for group in groups:
         dist.destroy_process_group(group)
@@ -99,8 +107,9 @@ def profile_network(
 
     Latency is half a round trip of one float between ranks 0 and 1; bandwidth comes from a
     `p2p_bytes` message. For every group size g (default: each divisor of the world size >= 2) the
-    all-reduce of each size in `sizes` (bytes) runs in the groups of the stage layout. Every rank
-    returns the same result. Takes a few seconds.
+    all-reduce of each size in `sizes` (bytes) runs in the groups of the stage layout; with
+    `group_sizes=None` also for each smaller world size w dividing the world and each g dividing w
+    (`allreduce_by_world`). Every rank returns the same result. Takes a few seconds.
     """
     if not dist.is_initialized():
         raise ConfigError(
@@ -125,4 +134,12 @@ def profile_network(
     device = _comm_device()
     latency, bandwidth = _p2p(rank, device, p2p_bytes, repeats)
     curves = {g: _allreduce(g, world, rank, sizes, repeats, device) for g in wanted}
-    return NetworkCost(p2p_latency_s=latency, p2p_bandwidth_Bps=bandwidth, allreduce=curves)
+    by_world = {world: dict(curves)}
+    if group_sizes is None:
+        for w in (w for w in range(2, world) if world % w == 0):
+            by_world[w] = {
+                g: _allreduce(g, w, rank, sizes, repeats, device) for g in range(2, w + 1) if w % g == 0
+            }
+    return NetworkCost(
+        p2p_latency_s=latency, p2p_bandwidth_Bps=bandwidth, allreduce=curves, allreduce_by_world=by_world
+    )

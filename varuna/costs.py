@@ -10,6 +10,7 @@ the run directory; `varuna.plan` and the simulator are pure functions of it. Cos
     table = CostTable.load("runs/gpt/profile.json")
     table.segments[0].forward_s[4]              # seconds for a micro-batch of 4
     table.network.allreduce_time(2**20, 4)      # 1 MiB over 4 replicas, interpolated
+    table.slowdown(4)                           # compute time with 4 ranks busy on one host / alone
 
 The JSON form (`to_json`) is a plain dict; integer keys (micro-batch sizes, group sizes) become
 strings, as JSON requires, and `from_json` turns them back.
@@ -74,8 +75,13 @@ class SegmentCost:
     """Bytes of optimizer state for them (e.g. 2 x param_bytes for Adam in fp32)."""
     recompute_s: dict[int, float] | None = None
     """Micro-batch size -> seconds of a recomputed forward; None means the same as `forward_s`."""
+    update_s: float = 0.0
+    """Seconds of the once-per-step parameter update of this segment's parameters: the gradient
+    norm and an AdamW step (the profile assumes Adam, as `optimizer_bytes` does); 0 if unmeasured."""
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.update_s) or self.update_s < 0:
+            raise ConfigError(f"SegmentCost.update_s = {self.update_s!r}; it must be a finite number >= 0")
         sizes = set(self.forward_s)
         for name in ("forward_s", "backward_s", "activation_bytes", "activation_memory_bytes", "recompute_s"):
             table = getattr(self, name)
@@ -110,6 +116,7 @@ class SegmentCost:
             "param_bytes": self.param_bytes,
             "grad_bytes": self.grad_bytes,
             "optimizer_bytes": self.optimizer_bytes,
+            "update_s": self.update_s,
         }
 
     @classmethod
@@ -140,7 +147,17 @@ class SegmentCost:
             param_bytes=int(_field(data, "param_bytes", what)),
             grad_bytes=int(_field(data, "grad_bytes", what)),
             optimizer_bytes=int(_field(data, "optimizer_bytes", what)),
+            update_s=float(data.get("update_s", 0.0)),
         )
+
+
+def _check_points(points: list[tuple[int, float]], what: str) -> list[tuple[int, float]]:
+    if not points:
+        raise ConfigError(f"{what} has no measured points")
+    sizes = [b for b, _ in points]
+    if len(set(sizes)) != len(sizes) or any(b < 0 for b in sizes) or any(t < 0 for _, t in points):
+        raise ConfigError(f"{what} = {points}: give distinct byte sizes >= 0 with seconds >= 0")
+    return sorted((int(b), float(t)) for b, t in points)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,6 +170,10 @@ class NetworkCost:
     """Point-to-point bandwidth, bytes per second."""
     allreduce: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     """Group size -> measured (bytes, seconds) points of an all-reduce over that many ranks."""
+    allreduce_by_world: dict[int, dict[int, list[tuple[int, float]]]] = field(default_factory=dict)
+    """World size w -> group size g -> (bytes, seconds) points, measured with only w ranks active,
+    all w/g groups of the stage layout reducing at once (how a P x D = w job reduces). On a shared
+    host the ranks compete for cores, so a 1 x 2 job reduces faster than two groups of a 2 x 2 one."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.p2p_latency_s) or self.p2p_latency_s < 0:
@@ -164,24 +185,26 @@ class NetworkCost:
         for group, points in self.allreduce.items():
             if not isinstance(group, int) or group < 2:
                 raise ConfigError(f"NetworkCost.allreduce: group size {group!r} must be an integer >= 2")
-            if not points:
-                raise ConfigError(f"NetworkCost.allreduce[{group}] has no measured points")
-            sizes = [b for b, _ in points]
-            if len(set(sizes)) != len(sizes) or any(b < 0 for b in sizes) or any(t < 0 for _, t in points):
-                raise ConfigError(
-                    f"NetworkCost.allreduce[{group}] = {points}: give distinct byte sizes >= 0 "
-                    "with seconds >= 0"
-                )
-            self.allreduce[group] = sorted((int(b), float(t)) for b, t in points)
+            self.allreduce[group] = _check_points(points, f"NetworkCost.allreduce[{group}]")
+        for world, curves in self.allreduce_by_world.items():
+            for group, points in curves.items():
+                if not isinstance(group, int) or group < 2 or world % group:
+                    raise ConfigError(
+                        f"NetworkCost.allreduce_by_world[{world}]: group size {group!r} must be an "
+                        f"integer >= 2 dividing the world size {world}"
+                    )
+                curves[group] = _check_points(points, f"NetworkCost.allreduce_by_world[{world}][{group}]")
 
     def p2p_time(self, nbytes: int) -> float:
         """Seconds to move `nbytes` between neighbouring stages: latency + bytes / bandwidth."""
         return self.p2p_latency_s + nbytes / self.p2p_bandwidth_Bps
 
-    def allreduce_time(self, nbytes: int, group: int) -> float:
+    def allreduce_time(self, nbytes: int, group: int, *, world: int | None = None) -> float:
         """Seconds of an all-reduce of `nbytes` over `group` ranks (0 for a group of one).
 
-        Interpolates the measured points of that group size linearly in bytes; below the smallest
+        With `world` (the job's P x D) and a curve measured at that world size
+        (`allreduce_by_world`), that curve is used. Otherwise it interpolates the measured points
+        of that group size linearly in bytes; below the smallest
         measurement it returns that measurement (latency bound), above the largest it extrapolates
         with the last slope. An unmeasured group size scales the nearest measured one by the ring
         all-reduce's traffic factor 2(g-1)/g; with no measurement at all it uses that ring model
@@ -189,6 +212,8 @@ class NetworkCost:
         """
         if group <= 1 or nbytes <= 0:
             return 0.0
+        if world is not None and group in self.allreduce_by_world.get(world, {}):
+            return _interpolate(self.allreduce_by_world[world][group], nbytes)
         ring = 2.0 * (group - 1) / group
         if not self.allreduce:
             return 2 * (group - 1) * self.p2p_latency_s + ring * nbytes / self.p2p_bandwidth_Bps
@@ -203,6 +228,10 @@ class NetworkCost:
             "p2p_latency_s": self.p2p_latency_s,
             "p2p_bandwidth_Bps": self.p2p_bandwidth_Bps,
             "allreduce": {str(g): [[b, t] for b, t in pts] for g, pts in sorted(self.allreduce.items())},
+            "allreduce_by_world": {
+                str(w): {str(g): [[b, t] for b, t in pts] for g, pts in sorted(curves.items())}
+                for w, curves in sorted(self.allreduce_by_world.items())
+            },
         }
 
     @classmethod
@@ -210,10 +239,15 @@ class NetworkCost:
         """Inverse of `to_json`."""
         what = "the profile's network section"
         allreduce = _int_keys(data.get("allreduce", {}), "allreduce")
+        by_world = _int_keys(data.get("allreduce_by_world", {}), "allreduce_by_world")
         return cls(
             p2p_latency_s=float(_field(data, "p2p_latency_s", what)),
             p2p_bandwidth_Bps=float(_field(data, "p2p_bandwidth_Bps", what)),
             allreduce={g: [(int(b), float(t)) for b, t in pts] for g, pts in allreduce.items()},
+            allreduce_by_world={
+                w: {g: [(int(b), float(t)) for b, t in pts] for g, pts in _int_keys(curves, "groups").items()}
+                for w, curves in by_world.items()
+            },
         )
 
 
@@ -250,6 +284,11 @@ class CostTable:
     """Unix time of the measurement."""
     tied_bytes: int = 0
     """Bytes of weights tied across the first and last stage, summed between them every step."""
+    compute_slowdown: dict[int, float] = field(default_factory=dict)
+    """n -> a rank's compute time while n ranks of the job compute at once, over its time alone
+    (measured by the profile on its host; {} means each rank has a device of its own). On a CPU
+    host with fewer cores than ranks this is about n / cores: the planner shares the cores among
+    the busy stages (`varuna.simulate.Sharing`)."""
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -270,6 +309,35 @@ class CostTable:
                 )
         if self.tied_bytes < 0:
             raise ConfigError(f"CostTable.tied_bytes = {self.tied_bytes}; bytes cannot be negative")
+        for n, factor in self.compute_slowdown.items():
+            if not isinstance(n, int) or n < 1 or not math.isfinite(factor) or factor <= 0:
+                raise ConfigError(
+                    f"CostTable.compute_slowdown[{n!r}] = {factor!r}; give rank counts >= 1 with "
+                    "factors > 0 (1.0: no slowdown)"
+                )
+
+    def slowdown(self, busy: int) -> float:
+        """Compute-time factor while `busy` ranks compute at once (1.0 when unmeasured).
+
+        Between measured counts it interpolates linearly; beyond the largest it keeps that one's
+        factor (the profile cannot see contention among more ranks than it ran).
+        """
+        return self.slowdown_of(self.compute_slowdown, busy)
+
+    @staticmethod
+    def slowdown_of(table: Mapping[int, float], busy: int) -> float:
+        """`slowdown` for any table of measured factors."""
+        if busy <= 1 or not table:
+            return 1.0
+        if busy in table:
+            return table[busy]
+        below = [n for n in table if n < busy]
+        above = [n for n in table if n > busy]
+        if not above:
+            return table[max(table)]
+        lo, hi = (max(below), min(above)) if below else (1, min(above))
+        f_lo = table.get(lo, 1.0)
+        return f_lo + (table[hi] - f_lo) * (busy - lo) / (hi - lo)
 
     @property
     def num_segments(self) -> int:
@@ -286,6 +354,7 @@ class CostTable:
             "created": self.created,
             "micro_batch_sizes": list(self.micro_batch_sizes),
             "tied_bytes": self.tied_bytes,
+            "compute_slowdown": {str(n): f for n, f in sorted(self.compute_slowdown.items())},
             "network": self.network.to_json(),
             "segments": [s.to_json() for s in self.segments],
         }
@@ -311,6 +380,10 @@ class CostTable:
             precision=str(data.get("precision", "fp32")),
             created=float(data.get("created", 0.0)),
             tied_bytes=int(data.get("tied_bytes", 0)),
+            compute_slowdown={
+                n: float(f)
+                for n, f in _int_keys(data.get("compute_slowdown", {}), "compute_slowdown").items()
+            },
         )
 
     def save(self, path: str | Path) -> Path:

@@ -11,6 +11,11 @@ either ranks the configuration by predicted step time or says why it was rejecte
     best.timeline.to_events()         # the predicted step, to draw over the measured one
     result.rejected[0].reason         # "out of memory: stage 0 needs 17.2 GiB > 16 GiB"
 
+Time: the simulated step includes each stage's compute, transfers, gradient all-reduce (measured
+at the job's world size where the profile has it), the per-step all-reduce and the parameter
+update; on a host whose ranks share cores (`CostTable.compute_slowdown`) busy stages slow each other
+down (`varuna.simulate.Sharing`).
+
 Memory per stage = parameters + gradients + optimizer state of its segments + the activations it
 holds at its peak: the simulated peak number of micro-batches in flight (GPipe: M, 1F1B: min(P-s,
 M), Varuna's pull-ahead may hold more) times one micro-batch's activations; with recompute only each
@@ -29,9 +34,18 @@ from varuna.costs import CostTable
 from varuna.errors import ConfigError
 from varuna.partition import balance
 from varuna.schedule import SCHEDULES, ScheduleName
-from varuna.simulate import StageCost, Timeline, simulate
+from varuna.simulate import Sharing, StageCost, Timeline, simulate
 
-__all__ = ["PlanError", "Candidate", "Rejected", "PlanResult", "plan", "parse_memory", "format_bytes"]
+__all__ = [
+    "PlanError",
+    "Candidate",
+    "Rejected",
+    "PlanResult",
+    "plan",
+    "predict",
+    "parse_memory",
+    "format_bytes",
+]
 
 RejectKind = Literal["memory", "batch", "stages"]
 _UNITS = {
@@ -261,14 +275,19 @@ def plan(
     schedules: Sequence[ScheduleName] = ("gpipe", "1f1b", "varuna"),
     recompute_options: Sequence[bool] = (False, True),
     model_signature: str | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    pipelines: Sequence[int] | None = None,
 ) -> PlanResult:
     """Rank every configuration for `gpus` devices of `memory_bytes` (or "16GiB") each.
 
     See the module docstring for the model. With P=1 recompute changes nothing (the last stage never
     recomputes), so P=1 candidates carry recompute=False.
 
+    `micro_batch_sizes` and `pipelines` restrict the search to those values (what a user fixed).
+
     Raises PlanError for zero GPUs, a table whose `model_signature` differs from the given one,
-    unknown schedules, or when no configuration is left (saying which setting to change).
+    unknown schedules, micro-batch sizes the table lacks, or when no configuration is left
+    (saying which setting to change).
     """
     _check_inputs(gpus, global_batch_size)
     memory_bytes = parse_memory(memory_bytes)
@@ -280,16 +299,32 @@ def plan(
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown or not schedules:
         raise PlanError(f"unknown schedules {unknown or '(none given)'}; choose from {', '.join(SCHEDULES)}")
+    sizes = list(table.micro_batch_sizes if micro_batch_sizes is None else micro_batch_sizes)
+    missing = [m for m in sizes if m not in table.micro_batch_sizes]
+    if missing or not sizes:
+        raise PlanError(
+            f"micro-batch sizes {missing or '(none given)'} are not in the profile (it has "
+            f"{table.micro_batch_sizes}); profile them (`varuna profile --micro-batch-sizes ...`)"
+        )
+    depths = [p for p in range(1, gpus + 1) if gpus % p == 0]
+    if pipelines is not None:
+        wanted = set(pipelines)
+        if not wanted & set(depths):
+            raise PlanError(
+                f"pipeline depths {sorted(wanted)} do not divide {gpus} GPUs (possible: {depths}); "
+                "choose a data-parallel degree that divides the device count"
+            )
+        depths = [p for p in depths if p in wanted]
     ranked: list[Candidate] = []
     rejected: list[Rejected] = []
     n = table.num_segments
-    for pipeline in (p for p in range(1, gpus + 1) if gpus % p == 0):
+    for pipeline in depths:
         data = gpus // pipeline
         if pipeline > n:
             reason = f"P={pipeline} > {n} segments (add CutPoints to cut the model finer)"
             rejected.append(Rejected(pipeline=pipeline, data=data, kind="stages", reason=reason))
             continue
-        for mbs in table.micro_batch_sizes:
+        for mbs in sizes:
             if global_batch_size % (data * mbs):
                 reason = f"global batch {global_batch_size} not divisible by D x mbs = {data} x {mbs}"
                 rejected.append(
@@ -347,6 +382,54 @@ def _nothing_fits(rejected: list[Rejected], gpus: int, memory_bytes: int, global
     )
 
 
+def predict(
+    table: CostTable,
+    *,
+    pipeline: int,
+    data: int,
+    micro_batch_size: int,
+    schedule: ScheduleName,
+    global_batch_size: int,
+    recompute: bool = False,
+    boundaries: Sequence[int] | None = None,
+) -> Candidate:
+    """The prediction for one configuration, e.g. the one a job runs (to draw its predicted timeline
+    over the measured one). `boundaries` are its P-1 stage boundaries (CutPoint indices, as
+    `engine.partition.boundaries`); None balances them as `plan` does. No memory limit applies.
+
+    Raises PlanError for a shape the table or the batch cannot have.
+    """
+    _check_inputs(pipeline * data, global_batch_size)
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if micro_batch_size not in table.micro_batch_sizes:
+        raise PlanError(
+            f"micro-batch size {micro_batch_size} is not in the profile (it has {table.micro_batch_sizes}); "
+            "profile it (`varuna profile --micro-batch-sizes ...`)"
+        )
+    if pipeline > table.num_segments:
+        raise PlanError(
+            f"P={pipeline} > {table.num_segments} segments (add CutPoints to cut the model finer)"
+        )
+    if global_batch_size % (data * micro_batch_size):
+        raise PlanError(
+            f"global batch {global_batch_size} not divisible by D x mbs = {data} x {micro_batch_size}"
+        )
+    if boundaries is not None:
+        boundaries = tuple(int(b) for b in boundaries)
+        cuts = table.num_segments - 1
+        increasing = all(a < b for a, b in zip(boundaries, boundaries[1:]))
+        if len(boundaries) != pipeline - 1 or not increasing or any(not 0 <= b < cuts for b in boundaries):
+            raise PlanError(
+                f"boundaries {list(boundaries)}: P={pipeline} needs {pipeline - 1} strictly increasing "
+                f"CutPoint indices in 0..{cuts - 1}"
+            )
+    return _evaluate(
+        table, pipeline, data, micro_batch_size, schedule, recompute and pipeline > 1, global_batch_size,
+        boundaries,
+    )  # fmt: skip
+
+
 def _evaluate(
     table: CostTable,
     pipeline: int,
@@ -355,10 +438,12 @@ def _evaluate(
     schedule: ScheduleName,
     recompute: bool,
     global_batch_size: int,
+    boundaries: tuple[int, ...] | None = None,
 ) -> Candidate:
     segs = table.segments
     num_microbatches = global_batch_size // (data * mbs)
-    boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
+    if boundaries is None:
+        boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
     stages = _stage_ranges(boundaries, len(segs))
     costs = [
         StageCost(
@@ -369,12 +454,16 @@ def _evaluate(
         for r in stages
     ]
     net = table.network
+    world = pipeline * data
     comm = [net.p2p_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]]
-    reduce = [net.allreduce_time(sum(segs[j].grad_bytes for j in r), data) for r in stages]
+    reduce = [net.allreduce_time(sum(segs[j].grad_bytes for j in r), data, world=world) for r in stages]
+    update = [sum(segs[j].update_s for j in r) for r in stages]
     if pipeline > 1 and table.tied_bytes:
-        tied = net.allreduce_time(table.tied_bytes, 2 * data)
+        tied = net.allreduce_time(table.tied_bytes, 2 * data, world=world)
         reduce[0] += tied
         reduce[-1] += tied
+        # the last stage updates its own copy of the tied weights, at segment 0's cost per byte
+        update[-1] += segs[0].update_s * table.tied_bytes / max(segs[0].param_bytes, 1)
     timeline = simulate(
         schedule,
         pipeline,
@@ -382,7 +471,9 @@ def _evaluate(
         costs,
         comm=comm,
         allreduce_s=reduce,
-        final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, pipeline * data),
+        final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, world, world=world),
+        update_s=update,
+        sharing=Sharing(replicas=data, slowdown=table.compute_slowdown) if table.compute_slowdown else None,
         recompute=recompute,
     )
     return Candidate(

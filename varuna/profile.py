@@ -14,11 +14,16 @@ device of its own; on CPU the other ranks sleep in a gloo wait), and rank 0 writ
 Per segment (the code between two CutPoints) and micro-batch size, a profile records:
 
     forward_s    forward with autograd          | timestamps at each CutPoint call
-    backward_s   its backward                   | and at each CutPoint's gradient hook
+    backward_s   its backward, accumulating     | and at each CutPoint's gradient hook
+                 into existing gradients, as the engine's bucketed gradients do
     recompute_s  forward with autograd, right after a no_grad forward of the same micro-batch
+    update_s     once per step: zero its gradients, their norm, an AdamW step over its parameters
     activation_bytes         bytes of the value handed to the segment's CutPoint
     activation_memory_bytes  bytes saved for backward (saved-tensor hooks; parameters excluded)
     param/grad/optimizer bytes, a tied weight counted in its first segment only
+
+and, inside a job (`run_profile`), how much slower a rank computes while n ranks compute at once
+(`measure_slowdown`: on a CPU host with fewer cores than ranks, about n / cores).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ __all__ = [
     "profile_table",
     "profile_network",
     "run_profile",
+    "measure_slowdown",
     "cached_profile",
     "model_signature",
     "NETWORK_SIZES",
@@ -227,9 +233,11 @@ def _profile(
     samples: dict[str, dict[int, list[list[float]]]] = {kind: {m: [] for m in sizes} for kind in "fbr"}
     cut_bytes: dict[int, list[int]] = {}
     memory: dict[int, list[int]] = {}
-    bar = tqdm(total=len(sizes) * (repeats + 1), desc="varuna profile", unit="pass", file=sys.stderr,
+    bar = tqdm(total=len(sizes) * (repeats + 1) + 1, desc="varuna profile", unit="pass", file=sys.stderr,
                disable=not progress, mininterval=0.5)  # fmt: skip
     with _preserved(model), bar:
+        for p in model.parameters():  # the engine's backward adds into zeroed bucket views
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
         for m in sizes:
             micro = _micro_batch(example_batch, m, device)
             for rep in range(repeats + 1):
@@ -257,9 +265,9 @@ def _profile(
                     loss = forward(clock, micro)  # ... and its recompute, before the backward
                     samples["r"][m].append(_diffs([start, *clock.marks, clock.now()]))
                 del loss
-                for p in model.parameters():
-                    p.grad = None
                 bar.update()
+        update = _update_times(model, trace.param_segments, k + 1, repeats, sync)
+        bar.update()
 
     def median(kind: str, j: int) -> dict[int, float]:
         return {m: statistics.median(s[j] for s in samples[kind][m]) for m in sizes}
@@ -274,10 +282,46 @@ def _profile(
             param_bytes=split[0][j],
             grad_bytes=split[1][j],
             optimizer_bytes=split[2][j],
+            update_s=update[j],
         )
         for j in range(k + 1)
     ]
     return segments, tied
+
+
+def _update_times(
+    model: nn.Module, segment_of: Mapping[str, set[int]], segments: int, repeats: int,
+    sync: Callable[[], None],
+) -> list[float]:  # fmt: skip
+    """Per segment, the median seconds of what the engine does once per step for its parameters:
+    zero the gradients, take their norm, and step an AdamW optimizer (values restored after)."""
+    groups: list[list[nn.Parameter]] = [[] for _ in range(segments)]
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.grad is not None:
+            groups[min(segment_of.get(name) or {0})].append(p)
+    out = []
+    for params in groups:
+        if not params:
+            out.append(0.0)
+            continue
+        saved = [p.detach().clone() for p in params]
+        opt = torch.optim.AdamW(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        times = []
+        for rep in range(repeats + 1):  # the first step creates the optimizer state: untimed
+            sync()
+            t0 = time.perf_counter()
+            torch._foreach_zero_(grads)
+            torch._foreach_norm(grads)
+            opt.step()
+            sync()
+            if rep:
+                times.append(time.perf_counter() - t0)
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                p.copy_(value)
+        out.append(statistics.median(times))
+    return out
 
 
 def profile_model(
@@ -314,10 +358,15 @@ def profile_model(
 
 
 def profile_table(
-    model: nn.Module, example_batch: Mapping[str, Any], *, network: NetworkCost, **options: Any
+    model: nn.Module,
+    example_batch: Mapping[str, Any],
+    *,
+    network: NetworkCost,
+    compute_slowdown: Mapping[int, float] | None = None,
+    **options: Any,
 ) -> CostTable:
-    """`profile_model(model, example_batch, **options)` with `network`, the model's signature and
-    its tied bytes, as the `CostTable` the planner reads."""
+    """`profile_model(model, example_batch, **options)` with `network`, the model's signature, its
+    tied bytes and `compute_slowdown` (from `measure_slowdown`), as the `CostTable` the planner reads."""
     segments, tied = _profile(model, example_batch, **options)
     device = _device_of(model)
     return CostTable(
@@ -329,7 +378,47 @@ def profile_table(
         precision=str(options.get("precision", "fp32")),
         created=time.time(),
         tied_bytes=tied,
+        compute_slowdown=dict(compute_slowdown or {}),
     )
+
+
+def measure_slowdown(
+    model: nn.Module, example_batch: Mapping[str, Any], *, micro_batch_size: int = 1, repeats: int = 5
+) -> dict[int, float]:
+    """Collective: n -> a rank's forward+backward time while ranks 0..n-1 all run it, over rank 0's
+    time alone, for n = 1 .. world size. Every rank returns the same table.
+
+    Each rank runs its own copy of `model` on a micro-batch of `micro_batch_size` rows, `repeats`
+    timed passes after a warm-up; the factor is the median over the busy ranks of their median
+    pass. Gradients and RNG state are left as they were.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = _device_of(model)
+    sync: Callable[[], None] = (
+        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    )
+    micro = _micro_batch(example_batch, micro_batch_size, device)
+    medians: list[float] = []
+    with _preserved(model):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        for n in range(1, world + 1):
+            dist.barrier()
+            mine = float("nan")
+            if rank < n:
+                times = []
+                for rep in range(repeats + 1):
+                    sync()
+                    t0 = time.perf_counter()
+                    model(**micro).backward()
+                    sync()
+                    if rep:
+                        times.append(time.perf_counter() - t0)
+                mine = statistics.median(times)
+            every: list[Any] = [None] * world
+            dist.all_gather_object(every, mine)
+            medians.append(statistics.median(every[:n]))
+    return {n + 1: medians[n] / medians[0] for n in range(world)}
 
 
 def run_profile(
@@ -342,7 +431,8 @@ def run_profile(
     run_dir: str | Path | None = None,
     progress: bool = True,
 ) -> CostTable:
-    """Profile inside a job (every rank calls it): network on all ranks, the model on rank 0.
+    """Profile inside a job (every rank calls it): the network and the compute slowdown with
+    1..world ranks busy on all ranks, then the model on rank 0.
 
     Every rank returns the same table; rank 0 writes it to ``RUN_DIR/profile.json`` (`run_dir`
     defaults to the launcher's ``VARUNA_RUN_DIR``). The other ranks wait in a broadcast while
@@ -352,12 +442,14 @@ def run_profile(
 
     rank, world = init_distributed()
     network = profile_network()
+    slowdown = measure_slowdown(model, example_batch, micro_batch_size=min(_check_sizes(micro_batch_sizes)))
     box: list[Any] = [None]
     if rank == 0:
         table = profile_table(
             model,
             example_batch,
             network=network,
+            compute_slowdown=slowdown,
             micro_batch_sizes=micro_batch_sizes,
             repeats=repeats,
             precision=precision,

@@ -9,7 +9,8 @@ and each stage's gradient all-reduce. Rules, as in the runtime:
                  (a link carries one transfer per direction at a time, so back-to-back sends queue)
     RECV_F/B     complete at max(now, arrival); the wait is idle time
     ALLREDUCE    takes the stage's all-reduce seconds; the step ends when every stage is done,
-                 plus one small all-reduce (`final_allreduce_s`)
+                 plus one small all-reduce (`final_allreduce_s`), plus the slowest stage's
+                 parameter update (`update_s`: gradient norm and optimizer step)
     opportunistic  (default for "varuna") when the next action is RECV_B(m), that gradient has not
                  arrived and the next forward's input has (stage 0: always), run that forward's
                  RECV_F, F, SEND_F first; a value arriving exactly when the stage looks counts as
@@ -19,18 +20,31 @@ For P=2, M=1, f=1, b=2 and a transfer of c on the boundary (times in the picture
 
     stage 0 | F0 [0,1]  RECV_B0 waits [1, 4+2c]  B0 [4+2c, 6+2c]
     stage 1 | RECV_F0 waits [0, 1+c]  F0 [1+c, 2+c]  B0 [2+c, 4+c]      step = 6 + 2c
+
+Shared cores (`Sharing`): on a host with fewer cores than ranks, a stage computes slower while
+others compute too. With D replicas running the same schedule, n(t) = D x (stages computing at t)
+ranks are busy, and a compute action of base cost w ends when the work done at rate
+1 / slowdown(n(t)) reaches w (processor sharing). The durations depend on the overlaps and the
+overlaps on the durations, so the simulation repeats, each pass timing every action against the
+previous pass's overlaps, until no duration changes (a fixed point; smaller steps towards the new
+durations if they start swinging between two overlaps). The
+parameter updates all start together after the final all-reduce and share the cores the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from varuna.costs import CostTable
 from varuna.errors import ScheduleError
 from varuna.schedule import COMPUTE_KINDS, Action, Schedule, ScheduleName, Span, lower, make_schedule
 
-__all__ = ["StageCost", "Span", "Timeline", "simulate", "simulate_lowered"]
+__all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_lowered"]
+
+_MAX_PASSES = 60
+_SETTLED = 1e-6  # relative change of every duration that ends the passes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +65,24 @@ class StageCost:
         if kind == "B":
             return self.backward_s
         return self.forward_s if self.recompute_s is None else self.recompute_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sharing:
+    """Ranks that share one host's cores: how much slower each computes while n compute at once."""
+
+    replicas: int = 1
+    """D: replicas running the same schedule at the same time (each busy stage counts D times)."""
+    slowdown: Mapping[int, float] = field(default_factory=dict)
+    """n busy ranks -> compute-time factor (`CostTable.compute_slowdown`); missing n interpolate."""
+
+    def factor(self, busy: int) -> float:
+        """The compute-time factor with `busy` ranks computing at once (>= 1 means slower)."""
+        return CostTable.slowdown_of(self.slowdown, busy)
+
+    def matters(self, num_stages: int) -> bool:
+        """Whether any reachable busy count changes a duration."""
+        return any(self.factor(self.replicas * k) != 1.0 for k in range(1, num_stages + 1))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,6 +107,8 @@ class Timeline:
     """1 - total compute / (P x step_s)."""
     peak_inflight: list[int] = field(default_factory=list)
     """Per stage, the most micro-batches forwarded and not yet backwarded at once."""
+    update_s: list[float] = field(default_factory=list)
+    """Per stage, seconds of its parameter update after the final all-reduce (with shared cores)."""
 
     @property
     def num_stages(self) -> int:
@@ -124,6 +158,8 @@ def simulate(
     comm: Sequence[float] | None = None,
     allreduce_s: Sequence[float] | None = None,
     final_allreduce_s: float = 0.0,
+    update_s: Sequence[float] | None = None,
+    sharing: Sharing | None = None,
     recompute: bool | None = None,
     opportunistic: bool | None = None,
 ) -> Timeline:
@@ -131,8 +167,10 @@ def simulate(
 
     `stage_costs[s]` is stage s's per-micro-batch cost; `comm[s]` the seconds to move an activation
     (or its gradient) across the boundary between stages s and s+1 (P-1 values, default 0);
-    `allreduce_s[s]` stage s's gradient all-reduce (default 0). `recompute` goes to `make_schedule`
-    (None: True for "varuna"); `opportunistic=None` means True for "varuna" only.
+    `allreduce_s[s]` stage s's gradient all-reduce (default 0); `update_s[s]` its parameter update
+    after the final all-reduce (default 0); `sharing` makes busy stages slow each other down (see
+    the module docstring). `recompute` goes to `make_schedule` (None: True for "varuna");
+    `opportunistic=None` means True for "varuna" only.
 
         >>> t = simulate("gpipe", 2, 2, [StageCost(forward_s=1, backward_s=2)] * 2)
         >>> t.step_s, t.bubble_fraction
@@ -145,6 +183,8 @@ def simulate(
         comm=comm,
         allreduce_s=allreduce_s,
         final_allreduce_s=final_allreduce_s,
+        update_s=update_s,
+        sharing=sharing,
         opportunistic=schedule_name == "varuna" if opportunistic is None else opportunistic,
         name=schedule_name,
         num_microbatches=num_microbatches,
@@ -158,6 +198,8 @@ def simulate_lowered(
     comm: Sequence[float] | None = None,
     allreduce_s: Sequence[float] | None = None,
     final_allreduce_s: float = 0.0,
+    update_s: Sequence[float] | None = None,
+    sharing: Sharing | None = None,
     opportunistic: bool = False,
     name: str = "custom",
     num_microbatches: int | None = None,
@@ -168,16 +210,36 @@ def simulate_lowered(
         raise ScheduleError(
             f"stage_costs has {len(stage_costs)} entries but the schedule has {num_stages} stages"
         )
-    sim = _Simulation(
-        schedule,
-        stage_costs,
-        _per_stage(comm, num_stages - 1, "comm seconds per boundary"),
-        _per_stage(allreduce_s, num_stages, "allreduce_s per stage"),
-        opportunistic,
-    )
-    sim.run()
+    comm_s = _per_stage(comm, num_stages - 1, "comm seconds per boundary")
+    reduce_s = _per_stage(allreduce_s, num_stages, "allreduce_s per stage")
+    updates = _per_stage(update_s, num_stages, "update_s per stage")
+    if sharing is not None and sharing.replicas < 1:
+        raise ScheduleError(f"Sharing.replicas = {sharing.replicas}; it must be at least 1")
+    shared = sharing is not None and sharing.matters(num_stages)
+    durations: dict[tuple[int, str, int], float] = {}
+    change, step = float("inf"), 1.0
+    for _ in range(_MAX_PASSES if shared else 1):
+        sim = _Simulation(schedule, stage_costs, comm_s, reduce_s, opportunistic, durations)
+        sim.run()
+        if not shared:
+            break
+        assert sharing is not None
+        stretched = _stretch_all(sim.spans, stage_costs, sharing)
+        last, change = (
+            change,
+            max(
+                (abs(d - durations[k]) / max(d, 1e-12) if k in durations else float("inf"))
+                for k, d in stretched.items()
+            ),
+        )
+        if change <= _SETTLED:
+            break
+        if change >= last:  # not shrinking: swinging between two overlaps; take smaller steps
+            step = max(step / 2, 0.125)
+        durations = {k: durations.get(k, d) + step * (d - durations.get(k, d)) for k, d in stretched.items()}
+    update_end = _shared_updates(updates, sharing) if shared and sharing is not None else updates
     ends = [spans[-1].end if spans else 0.0 for spans in sim.spans]
-    step = max(ends, default=0.0) + final_allreduce_s
+    step = max(ends, default=0.0) + final_allreduce_s + max(update_end, default=0.0)
     busy = [sum(sp.end - sp.start for sp in spans if sp.kind in COMPUTE_KINDS) for spans in sim.spans]
     reduce = [sum(sp.end - sp.start for sp in spans if sp.kind == "ALLREDUCE") for spans in sim.spans]
     if num_microbatches is None:
@@ -192,7 +254,67 @@ def simulate_lowered(
         idle_s=[step - b - r for b, r in zip(busy, reduce)],
         bubble_fraction=1.0 - sum(busy) / (num_stages * step) if step > 0 else 0.0,
         peak_inflight=[_peak_inflight(spans) for spans in sim.spans],
+        update_s=update_end,
     )
+
+
+def _stretch_all(
+    spans: list[list[Span]], costs: Sequence[StageCost], sharing: Sharing
+) -> dict[tuple[int, str, int], float]:
+    """Each compute action's duration under processor sharing, against the overlaps in `spans`."""
+    busy = [[(sp.start, sp.end) for sp in stage if sp.kind in COMPUTE_KINDS] for stage in spans]
+    out = {}
+    for s, stage in enumerate(spans):
+        edges = sorted(
+            (t, d)
+            for o, intervals in enumerate(busy)
+            if o != s
+            for a, b in intervals
+            for t, d in ((a, 1), (b, -1))
+        )
+        for sp in stage:
+            if sp.kind in COMPUTE_KINDS:
+                work = costs[s].seconds(sp.kind)
+                out[(s, sp.kind, sp.microbatch or 0)] = _finish(sp.start, work, edges, sharing)
+    return out
+
+
+def _finish(start: float, work: float, edges: list[tuple[float, int]], sharing: Sharing) -> float:
+    """Seconds from `start` until `work` seconds of lone compute are done, while the other stages
+    are busy as `edges` ((time, +1 start / -1 end), sorted) say and this one is busy throughout."""
+    others, i = 0, 0
+    while i < len(edges) and edges[i][0] <= start:
+        others += edges[i][1]
+        i += 1
+    t, left = start, work
+    while True:
+        rate = 1.0 / sharing.factor(sharing.replicas * (1 + others))
+        nxt = edges[i][0] if i < len(edges) else float("inf")
+        if left <= (nxt - t) * rate:
+            return t + left / rate - start
+        left -= (nxt - t) * rate
+        t = nxt
+        while i < len(edges) and edges[i][0] <= t:
+            others += edges[i][1]
+            i += 1
+
+
+def _shared_updates(updates: list[float], sharing: Sharing) -> list[float]:
+    """When each stage's parameter update ends if all start at once and share the cores."""
+    left = {s: w for s, w in enumerate(updates) if w > 0}
+    done = [0.0] * len(updates)
+    t = 0.0
+    while left:
+        rate = 1.0 / sharing.factor(sharing.replicas * len(left))
+        s_min = min(left, key=left.__getitem__)
+        dt = left[s_min] / rate
+        t += dt
+        for s in list(left):
+            left[s] -= dt * rate
+            if left[s] <= 1e-15 or s == s_min:
+                done[s] = t
+                del left[s]
+    return done
 
 
 def _peak_inflight(spans: list[Span]) -> int:
@@ -220,9 +342,11 @@ class _Simulation:
         comm: list[float],
         allreduce: list[float],
         opportunistic: bool,
+        durations: Mapping[tuple[int, str, int], float] | None = None,
     ) -> None:
         self.queues = [list(schedule[s]) for s in range(len(schedule))]
         self.costs = costs
+        self.durations = durations or {}
         self.comm = comm
         self.allreduce = allreduce
         self.opportunistic = opportunistic
@@ -304,7 +428,7 @@ class _Simulation:
         m = a.microbatch or 0
         end = t
         if a.kind in COMPUTE_KINDS:
-            end = t + self.costs[s].seconds(a.kind)
+            end = t + self.durations.get((s, a.kind, m), self.costs[s].seconds(a.kind))
         elif a.kind == "ALLREDUCE":
             end = t + self.allreduce[s]
         elif a.kind in ("RECV_F", "RECV_B"):
