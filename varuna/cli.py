@@ -64,7 +64,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     resize.add_argument("--pipeline", "-p", type=int, metavar="P")
     resize.add_argument("--data", "-d", type=int, metavar="D")
     resize.add_argument(
-        "--gpus", type=int, metavar="N", help="choose P x D for N devices, keeping the global batch"
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="choose P x D for N devices, keeping the global batch: the planner's best when RUN_DIR has "
+        "a profile.json, else the pipeline depth closest to the current one",
     )
     resize.add_argument("--no-signal", action="store_true", help="only queue the shape for the next morph")
     _add_plan_parser(sub)
@@ -145,26 +149,20 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def _resize(args: argparse.Namespace) -> int:
-    import json
+    from varuna.morph import request_resize, shape_for_gpus
 
-    from varuna.morph import choose_shape, request_resize
-
+    how = ""
     if args.gpus is not None:
         if args.pipeline is not None or args.data is not None:
             raise ConfigError("give either --gpus N or --pipeline P --data D, not both")
-        info_path = args.run_dir / "engine.json"
-        if not info_path.exists():
-            raise ConfigError(
-                f"{args.run_dir} has no engine.json yet (has the job started training?); give -p and -d"
-            )
-        shape = choose_shape(args.gpus, json.loads(info_path.read_text()))
-        pipeline, data = shape.pipeline, shape.data
+        choice = shape_for_gpus(args.run_dir, args.gpus)
+        pipeline, data, how = choice.shape.pipeline, choice.shape.data, f", chosen by the {choice.reason}"
     elif args.pipeline is None or args.data is None:
         raise ConfigError("resize needs --pipeline P --data D, or --gpus N")
     else:
         pipeline, data = args.pipeline, args.data
     path = request_resize(args.run_dir, pipeline=pipeline, data=data, notify=not args.no_signal)
-    print(f"varuna: requested {pipeline}x{data} for {args.run_dir} ({path.name})")
+    print(f"varuna: requested {pipeline}x{data} for {args.run_dir} ({path.name}){how}")
     return 0
 
 

@@ -52,6 +52,9 @@ class VarunaConfig:
     """How many committed checkpoints to keep in the run directory."""
     allow_batch_change: bool = False
     """Resume a checkpoint saved with another global batch size (changes the data order from there on)."""
+    memory_limit: int | str | None = None
+    """Memory per device that pipeline="auto" plans for ("16GiB" or bytes); None: the CUDA device's
+    total, or on CPU the host's RAM shared by the ranks."""
     on_stop: Literal["exit", "flag"] = "exit"
     """On a stop request (signal, resize, controller): checkpoint and exit with MORPH_EXIT, or only set
     `engine.should_stop` and let the script decide."""
@@ -88,6 +91,10 @@ class VarunaConfig:
             self.run_dir = Path(self.run_dir)
         if self.checkpoint_keep < 1:
             raise ConfigError(f"checkpoint_keep must be at least 1, got {self.checkpoint_keep}")
+        if self.memory_limit is not None:
+            from varuna.plan import parse_memory  # raises PlanError (a ConfigError) naming the format
+
+            parse_memory(self.memory_limit)
         if self.on_stop not in ("exit", "flag"):
             raise ConfigError(f"on_stop={self.on_stop!r}: use 'exit' or 'flag'")
 

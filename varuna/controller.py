@@ -33,7 +33,7 @@ from varuna._launches import ConsoleTail, DeadRank, Launch, post_mortem
 from varuna._store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch import Job
-from varuna.morph import MORPH_EXIT, choose_shape, live_workers, request_resize, take_resize
+from varuna.morph import MORPH_EXIT, ShapeChoice, live_workers, request_resize, shape_for_gpus, take_resize
 
 __all__ = ["JobController", "JobState", "DeadRank"]
 
@@ -348,10 +348,12 @@ class JobController:
     def resize(
         self, pipeline: int | None = None, data: int | None = None, *, gpus: int | None = None
     ) -> JobState:
-        """Morph to `pipeline` x `data` (or a shape for `gpus` devices that keeps the global batch)."""
+        """Morph to `pipeline` x `data`, or to `shape_for(gpus)` (noted as a "resize_plan" event)."""
         if gpus is not None:
-            shape = choose_shape(gpus, json.loads((self.run_dir / "engine.json").read_text()))
-            pipeline, data = shape.pipeline, shape.data
+            choice = self.shape_for(gpus)
+            pipeline, data = choice.shape.pipeline, choice.shape.data
+            self._note("resize_plan", gpus=gpus, pipeline=pipeline, data=data, chosen_by=choice.chosen_by,
+                       reason=choice.reason)  # fmt: skip
         if pipeline is None or data is None:
             raise ConfigError("resize needs pipeline= and data=, or gpus=")
         self._morph_from = self._running_launch("resize")
@@ -360,6 +362,11 @@ class JobController:
             self._intent, self._state = "resize", "morphing"
         self._send("stop", checkpoint=True, reason="resize")
         return self.state
+
+    def shape_for(self, gpus: int) -> ShapeChoice:
+        """The P x D `resize(gpus=N)` would ask for, and how it was chosen: the planner when the run
+        directory has a profile, else the keep-the-depth rule (`varuna.morph.shape_for_gpus`)."""
+        return shape_for_gpus(self.run_dir, gpus)
 
     def resume(
         self, checkpoint: str | Path = "latest", *, pipeline: int | None = None, data: int | None = None
@@ -417,8 +424,10 @@ class JobController:
 
     def export_chrome_trace(self, path: str | Path, last_steps: int | None = None) -> Path:
         """Write a Chrome/Perfetto trace JSON of the recorded spans (with send -> recv arrows)."""
+        from varuna._files import write_json_atomic
+
         path = Path(path)
-        path.write_text(json.dumps(self.store.chrome_trace(last_steps)))
+        write_json_atomic(path, self.store.chrome_trace(last_steps))  # a reader never sees half a trace
         return path
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """`Varuna`: this rank's stage of a pipeline x data-parallel job, and its training step.
 
     engine = Varuna(model, global_batch_size=32, micro_batch_size=4, example_batch=batch)
+    # or Varuna(model, global_batch_size=32, pipeline="auto", example_batch=batch): see varuna._auto
     opt = torch.optim.AdamW(engine.parameters(), lr=3e-4)
     engine.set_optimizer(opt)
     for step in range(n):
@@ -23,7 +24,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from varuna import distributed as vdist
 from varuna._files import write_json_atomic
 from varuna.comm import P2P, GradBuckets
 from varuna.config import VarunaConfig
+from varuna.costs import model_signature
 from varuna.cutpoint import SKIPPED, CutPoint
 from varuna.errors import CheckpointError, ConfigError
 from varuna.morph import MORPH_EXIT, StopRequest
@@ -93,10 +95,10 @@ class Varuna:
         model: nn.Module,
         *,
         global_batch_size: int,
-        micro_batch_size: int,
-        pipeline: int | None = None,
+        micro_batch_size: int | None = None,
+        pipeline: int | Literal["auto"] | None = None,
         data: int | None = None,
-        schedule: str = "1f1b",
+        schedule: str | None = None,
         precision: str = "fp32",
         shared_weights: Sequence[Sequence[str]] | None = None,
         partition: str | Sequence[int] = "balanced",
@@ -109,6 +111,35 @@ class Varuna:
     ) -> None:
         env = vdist.launch_env()
         self.rank, self.world_size = vdist.init_distributed()
+        self.plan_info: dict[str, Any] | None = None  # pipeline="auto": how it was chosen (engine.json)
+        if pipeline == "auto":
+            from varuna._auto import Fixed, choose
+
+            auto = choose(
+                model,
+                rank=self.rank,
+                world=self.world_size,
+                global_batch_size=global_batch_size,
+                fixed=Fixed(
+                    micro_batch_size=micro_batch_size, data=data, schedule=schedule, recompute=recompute
+                ),
+                precision=precision,
+                example_batch=example_batch,
+                run_dir=Path(run_dir) if run_dir is not None else env.run_dir,
+                partition=partition,
+                options=options,
+            )
+            pipeline, data, micro_batch_size = auto.pipeline, auto.data, auto.micro_batch_size
+            schedule, recompute, partition, self.plan_info = (
+                auto.schedule,
+                auto.recompute,
+                auto.boundaries,
+                auto.info,
+            )
+        if micro_batch_size is None:
+            raise ConfigError(
+                "micro_batch_size is required (or pass pipeline='auto' to let the planner choose it)"
+            )
         pipeline = pipeline if pipeline is not None else (env.pipeline or 1)
         if data is None:
             data = env.data if env.data is not None else max(self.world_size // max(pipeline, 1), 1)
@@ -117,7 +148,7 @@ class Varuna:
             data=data,
             global_batch_size=global_batch_size,
             micro_batch_size=micro_batch_size,
-            schedule=schedule,  # type: ignore[arg-type]
+            schedule=schedule or "1f1b",  # type: ignore[arg-type]
             precision=precision,  # type: ignore[arg-type]
             shared_weights=tuple(tuple(g) for g in (shared_weights or ())),
             partition=partition if isinstance(partition, str) else tuple(partition),  # type: ignore[arg-type]
@@ -582,6 +613,8 @@ class Varuna:
             "num_segments": self.trace.num_segments,
             "boundaries": list(self.partition.boundaries),
             "step": self.step_count,
+            "model_signature": model_signature(self.model),  # which profile fits (varuna resize --gpus)
+            "plan": self.plan_info,
         }
         write_json_atomic(self.config.run_dir / "engine.json", info)
 
@@ -628,9 +661,14 @@ class Varuna:
     # reporting ---------------------------------------------------------------------------------
     def describe(self) -> str:
         cfg = self.config
+        planned = ""
+        if self.plan_info is not None:
+            from varuna._auto import describe
+
+            planned = "\n" + describe(self.plan_info)
         return (
             f"Varuna {cfg.pipeline}x{cfg.data} ({cfg.schedule}, {cfg.precision}, {cfg.num_microbatches} micro-batches "
-            f"of {cfg.micro_batch_size}) — {self.where}\n{self.partition.describe()}"
+            f"of {cfg.micro_batch_size}) — {self.where}{planned}\n{self.partition.describe()}"
         )
 
     def config_dict(self) -> dict[str, Any]:
