@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph | telemetry) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -44,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.add_argument(
         "--quick", action="store_true", help="tiny model, few steps: a smoke run of every path"
     )
+    planner = sub.add_parser(
+        "planner",
+        help="the planner's predicted step time against the measured one, over P x D, micro-batch, schedule",
+        description="Profile a GPT on 4 ranks, predict the step time of 1x2, 2x1, 2x2 and 4x1 with two "
+        "micro-batch sizes and two schedules, measure each, and report the errors, their rank correlation "
+        "and the gap between the predicted-best and the measured-best configuration.",
+    )
+    planner.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout (table to stderr)"
+    )
+    planner.add_argument("--quick", action="store_true", help="tiny model, one round: a smoke run")
     return parser
 
 
@@ -62,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from varuna.bench import telemetry
 
             return telemetry.main(args)
+        if args.bench == "planner":
+            from varuna.bench import planner
+
+            return planner.main(args)
     except (ConfigError, LaunchError) as exc:
         print(f"varuna bench: error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,124 @@
+"""Smoke test of `python -m varuna.bench planner --json --quick`, and its statistics.
+
+Benchmarks never gate: nothing here asserts an error's size or a correlation's value, only that the
+report is complete and its figures are what their definitions say.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from varuna.bench.planner import PlannerBench, quick, spearman, summarize
+from varuna.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"pipeline", "data", "micro_batch_size", "schedule", "predicted_s", "measured_s", "error"}
+
+
+def test_spearman_and_the_summary() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)  # ties share a rank
+    assert math.isnan(spearman([1, 1], [1, 2]))
+    configs = [
+        {
+            "pipeline": 1,
+            "data": 2,
+            "micro_batch_size": 2,
+            "schedule": "1f1b",
+            "predicted_s": 1.0,
+            "measured_s": 1.25,
+        },
+        {
+            "pipeline": 2,
+            "data": 1,
+            "micro_batch_size": 2,
+            "schedule": "1f1b",
+            "predicted_s": 1.05,
+            "measured_s": 1.0,
+        },
+        {
+            "pipeline": 4,
+            "data": 1,
+            "micro_batch_size": 2,
+            "schedule": "1f1b",
+            "predicted_s": 2.0,
+            "measured_s": 2.0,
+        },
+    ]
+    s = summarize(configs)
+    assert s["mean_abs_error"] == pytest.approx((0.2 + 0.05 + 0.0) / 3)
+    assert s["max_abs_error"] == pytest.approx(0.2)
+    assert s["spearman"] == pytest.approx(0.5)
+    # the predicted best (1x2) measured 1.25 s against the measured best's 1.0 s
+    assert s["best_gap"] == pytest.approx(0.25)
+    assert (s["predicted_best"], s["measured_best"]) == ("1x2 mbs 2 1f1b", "2x1 mbs 2 1f1b")
+    assert s["targets_met"] == {
+        "mean_abs_error": True,
+        "max_abs_error": True,
+        "spearman": False,
+        "best_gap": False,
+    }
+
+
+def test_the_full_preset_covers_what_the_issue_asks() -> None:
+    from varuna.bench.planner import full
+
+    configs = full().configs()
+    assert len(configs) >= 6
+    assert {(P, D) for P, D, _, _ in configs} == {(1, 2), (2, 1), (2, 2), (4, 1)}
+    assert len({m for _, _, m, _ in configs}) == 2 and len({s for _, _, _, s in configs}) == 2
+
+
+def test_bad_settings_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"shapes holds 3x1; P x D must be 2 or 4"):
+        PlannerBench(shapes=((3, 1),))
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size 6 is not divisible by D x micro_batch_size = 2 x 4"
+    ):
+        PlannerBench(global_batch_size=6, micro_batch_sizes=(4,))
+    with pytest.raises(ConfigError, match=r"PlannerBench.rounds must be a positive integer \(got 0\)"):
+        PlannerBench(rounds=0)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_planner_bench_quick_reports_every_configuration() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "varuna.bench", "planner", "--json", "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    for key in (
+        "mean_abs_error",
+        "max_abs_error",
+        "spearman",
+        "best_gap",
+        "targets",
+        "targets_met",
+        "profile",
+    ):
+        assert key in report, key
+    configs = report["configs"]
+    assert len(configs) == len(quick().configs())
+    for c in configs:
+        assert KEYS <= set(c)
+        assert c["predicted_s"] > 0 and c["measured_s"] > 0
+        assert c["error"] == pytest.approx(c["predicted_s"] / c["measured_s"] - 1)
+        assert c["rounds"] and all(r["step_s"] for r in c["rounds"])
+    assert report["max_abs_error"] == pytest.approx(max(abs(c["error"]) for c in configs))
+    assert set(report["profile"]["compute_slowdown"]) == {"1", "2", "3", "4"}
+    assert "mean |error|" in proc.stderr and "best gap" in proc.stderr  # the table
