@@ -27,7 +27,7 @@ Writing the quickstart test (the workbench's DOM contract)::
             lab.shot("ran")
             # Buttons are labelled exactly "Start", "Checkpoint", "Resize", "Resume", "Stop"; IntTexts
             # have descriptions "P", "D", "GPUs"; the job state is an HTML widget with class
-            # `varuna-state` reading "state: ..."; the timeline FigureWidget has class `varuna-timeline`
+            # `varuna-state` reading "state: ..."; the timeline PlotView has class `varuna-timeline`
             # and y tick labels "stage S · replica R"; the memory figure has class `varuna-memory`.
             lab.wait_for_class_text("varuna-state", re.compile(r"^state: running"), timeout_s=120)
             rows = lab.wait_for_plotly_texts(
@@ -674,7 +674,7 @@ class LabPage:
     # -- plotly
 
     def plot(self, css_class: str) -> Any:
-        """The Plotly graph div of the visible FigureWidget carrying `css_class`."""
+        """The Plotly graph div of the visible PlotView carrying `css_class`."""
         return (
             self.notebook.locator(f".{css_class}.js-plotly-plot, .{css_class} .js-plotly-plot")
             .filter(visible=True)

@@ -85,23 +85,8 @@ def _rows(n_stages: int, n_replicas: int) -> set[str]:
     return {f"stage {s} · replica {r}" for s in range(n_stages) for r in range(n_replicas)}
 
 
-class FiguresNeverRendered(Exception):
-    """Plotly's widget views stayed at empty default axes (see test_quickstart_in_the_browser)."""
-
-
 @pytest.mark.timeout(900)
 def test_quickstart_in_the_browser(request: pytest.FixtureRequest) -> None:
-    # Known flake, not understood yet: on a loaded 2-core machine the three FigureWidget views of
-    # the workbench sometimes stay at Plotly's empty default axes for good (seen ~1 run in 4 at a
-    # load average of 5-10, never on a quiet machine), while every other widget updates. That one
-    # symptom gets one fresh session (new server, browser, kernel and job); anything else fails.
-    try:
-        _quickstart_session(request, attempt=1)
-    except FiguresNeverRendered:
-        _quickstart_session(request, attempt=2)
-
-
-def _quickstart_session(request: pytest.FixtureRequest, attempt: int) -> None:
     """Open the quickstart, run its first part (start + display), then drive the job with the buttons:
     spans for every stage, Checkpoint lands on disk, Resize changes the rows, a SIGKILLed worker shows
     as dead while the kernel lives on, Resume relaunches from the checkpoint, Stop stops."""
@@ -114,21 +99,13 @@ def _quickstart_session(request: pytest.FixtureRequest, attempt: int) -> None:
     with browser.lab_session(
         browser.REPO / "notebooks",
         "quickstart.ipynb",
-        f"{request.node.name}-{attempt}",
+        request.node.name,
         env=QUICKSTART_ENV,
         failed=failed,
     ) as lab:
         lab.run_cells_above("## Steer it from code", timeout_s=120)
         lab.wait_for_class_text("varuna-state", re.compile(r"^state: running"), timeout_s=120)
-        try:
-            rows = lab.wait_for_plotly_texts(
-                "varuna-timeline", lambda t: set(t) == _rows(2, 2), timeout_s=150
-            )
-        except browser.BrowserHarnessError:
-            if attempt == 1 and not any("stage" in t for t in lab.plotly_texts("varuna-timeline")):
-                lab.shot("figures never rendered")
-                raise FiguresNeverRendered() from None
-            raise
+        rows = lab.wait_for_plotly_texts("varuna-timeline", lambda t: set(t) == _rows(2, 2), timeout_s=150)
         assert len(rows) == 4
         assert lab.trace_count("varuna-timeline") >= 7  # a bar trace per span kind
         assert lab.trace_count("varuna-memory") >= 4

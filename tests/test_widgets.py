@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ pytest.importorskip("ipywidgets")
 
 from varuna_widgets import Workbench, figures  # noqa: E402
 from varuna_widgets.bench import measure_refresh_hz, synthetic_step_events  # noqa: E402
+from varuna_widgets.plot import PlotView  # noqa: E402
 
 from varuna._store import StageMemory, StepMetrics  # noqa: E402
 from varuna.controller import JobController  # noqa: E402
@@ -39,7 +41,7 @@ def fed(
 
 
 def tick_labels(wb: Workbench) -> list[str]:
-    return list(wb.timeline_fig.layout.yaxis.categoryarray)
+    return list(wb.timeline_fig.layout["yaxis"]["categoryarray"])
 
 
 # --- figures ---------------------------------------------------------------------------------------
@@ -96,12 +98,12 @@ def test_workbench_draws_every_stage_and_the_bubble_against_theory(tmp_path: Pat
     try:
         assert tick_labels(wb) == [figures.row_label(s, 0) for s in range(4)]
         forward = wb.timeline_fig.data[0]
-        assert len(forward.x) == 2 * 4 * 8  # 2 steps shown
-        title = wb.timeline_fig.layout.title.text
+        assert len(forward["x"]) == 2 * 4 * 8  # 2 steps shown
+        title = wb.timeline_fig.layout["title"]["text"]
         assert "measured bubble" in title and f"{3 / 11:.1%}" in title and "P=4, M=8" in title
-        assert len(wb.timeline_fig.layout.shapes) == 1  # one separator between the two steps
-        assert [t.y[0] for t in wb.memory_fig.data[:4]] == [40.0, 40.0, 80.0, 32.0]
-        assert list(wb.curves_fig.data[0].x) == [0, 1, 2]
+        assert len(wb.timeline_fig.layout["shapes"]) == 1  # one separator between the two steps
+        assert [t["y"][0] for t in wb.memory_fig.data[:4]] == [40.0, 40.0, 80.0, 32.0]
+        assert list(wb.curves_fig.data[0]["x"]) == [0, 1, 2]
         assert "<td>3</td>" in wb.ranks_table.value  # rank 3 in the table
         assert "3 " in wb.progress_label.value or "step 3" in wb.progress_label.value
     finally:
@@ -120,7 +122,7 @@ def test_rows_follow_the_newest_launch_after_a_resize(tmp_path: Path) -> None:
         )  # fmt: skip
         assert wb.refresh()
         assert tick_labels(wb) == [figures.row_label(s, 0) for s in range(4)]
-        assert wb.curves_fig.layout.annotations[0].text == "4×1"
+        assert wb.curves_fig.layout["annotations"][0]["text"] == "4×1"
         assert not wb.refresh()  # nothing new: nothing redrawn
     finally:
         wb.close()
@@ -177,12 +179,12 @@ def test_prediction_is_drawn_on_the_newest_step(tmp_path: Path) -> None:
     try:
         prediction = simulate("1f1b", 2, 4, [StageCost(forward_s=0.002, backward_s=0.004)] * 2)
         wb.show_prediction(prediction)
-        names = [t.name for t in wb.timeline_fig.data]
+        names = [t["name"] for t in wb.timeline_fig.data]
         assert "predicted forward" in names
         pf = wb.timeline_fig.data[names.index("predicted forward")]
-        assert len(pf.x) == 2 * 4 and min(pf.base) > 0  # shifted onto the last of the steps shown
+        assert len(pf["x"]) == 2 * 4 and min(pf["base"]) > 0  # shifted onto the last of the steps shown
         wb.show_prediction(None)
-        assert len(wb.timeline_fig.data[names.index("predicted forward")].x) == 0
+        assert "predicted forward" not in [t["name"] for t in wb.timeline_fig.data]
     finally:
         wb.close()
 
@@ -199,9 +201,9 @@ def test_replay_scrubs_through_steps(tmp_path: Path) -> None:
                 f.write(json.dumps(e) + "\n")
     wb = Workbench.replay(run, last_steps=1)
     assert wb.state == "replay" and wb.slider.max == 4
-    assert "step 4" in wb.timeline_fig.layout.title.text
+    assert "step 4" in wb.timeline_fig.layout["title"]["text"]
     wb.slider.value = 1
-    assert "step 1" in wb.timeline_fig.layout.title.text
+    assert "step 1" in wb.timeline_fig.layout["title"]["text"]
     assert set(wb.buttons) >= {"Export trace"} and wb.buttons["Export trace"] in wb.view.children[1].children
     wb.buttons["Export trace"].click()
     deadline = time.monotonic() + 5
@@ -217,12 +219,30 @@ def test_refresh_rate_of_a_4x64_pipeline() -> None:
     assert result["kb_sent_per_refresh"] > 0  # the figures really went through the (encoding) comm
 
 
-def test_display_sends_each_figures_full_state(tmp_path: Path) -> None:
+def test_each_redraw_replaces_a_figure_whole(tmp_path: Path) -> None:
     ctl, wb = fed(tmp_path, steps=2, stages=2, microbatches=4)
     try:
-        assert len(wb.timeline_fig._widget_data[0]["x"]) == 0  # a Box's child keeps its construction state
-        wb._repr_mimebundle_()
-        assert len(wb.timeline_fig._widget_data[0]["x"]) == 2 * 2 * 4  # now the drawn spans
-        assert wb.timeline_fig._widget_layout["title"]["text"].startswith("steps 0")
+        changes: list[Any] = []
+        wb.timeline_fig.observe(changes.append, names="figure")
+        before = wb.timeline_fig.figure
+        assert len(before["data"][0]["x"]) == 2 * 2 * 4 and before["layout"]["title"]["text"].startswith(
+            "steps 0"
+        )
+        for e in synthetic_step_events(2, 2, 4, t0=500.0):
+            ctl.store.add(e)
+        assert wb.refresh()
+        assert len(changes) == 1  # one message per redraw, carrying the whole figure
+        assert changes[0]["old"] is before and changes[0]["new"] is not before
+        assert before["layout"]["title"]["text"].startswith("steps 0")  # the old value was not mutated
+        assert wb.timeline_fig.layout["title"]["text"].startswith("steps 1")
+        assert wb.timeline_fig.layout["height"] == 300  # the base layout survives the merge
     finally:
         wb.close()
+
+
+def test_plot_view_ships_the_installed_plotly_js() -> None:
+    view = PlotView(data=[{"type": "bar", "x": [1], "y": [2]}], layout={"height": 100})
+    assert "plotly.js v" in view._plotly_js[:200] and len(view._plotly_js) > 1_000_000
+    assert "Plotly.react" in view._esm  # static/plot.js, read by anywidget
+    view.update(layout={"title": {"text": "t"}})
+    assert view.layout == {"height": 100, "title": {"text": "t"}} and view.data[0]["x"] == [1]

@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph | telemetry | planner) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The events are synthetic (a 1F1B step of `stages` ranks, `microbatches` micro-batches each, with
 sends, receives, the all-reduce and the optimizer) but go through the real path: the controller's
-`EventStore`, the workbench's views, `figures`, the FigureWidgets' `batch_update()`, and a comm
+`EventStore`, the workbench's views, `figures`, the `PlotView`s' replaced figures, and a comm
 that JSON-encodes every message as a kernel would (no frontend needed). Two figures come out:
 
 - `widget_refresh_hz`: redraws per second achieved by the workbench's own throttled refresher

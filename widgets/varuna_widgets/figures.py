@@ -1,7 +1,7 @@
 """What the workbench draws, as plain Plotly dicts computed from the controller's views.
 
 Pure functions (no ipywidgets, no plotly import): the tests check them directly and the
-`Workbench` copies their output into long-lived FigureWidgets inside one `batch_update()`.
+`Workbench` hands their output to its `PlotView`s, each figure replaced whole.
 
     timeline  one row per (stage, replica), stage 0 on top; one bar trace per span kind, so a
               refresh replaces a fixed set of arrays instead of adding traces; the gaps are the

@@ -8,8 +8,8 @@
 
 Everything the job does comes through `varuna.controller.JobController` (the kernel is never an
 MPI process). A daemon thread redraws at most `refresh_hz` times a second and only what changed;
-each redraw replaces the figures' arrays inside one `batch_update()` (Plotly syncs replacements,
-not mutations). Buttons run their controller call on a worker thread, so a checkpoint or a
+each redraw replaces a changed figure whole, in one message (`varuna_widgets.plot.PlotView`: synced
+by replacement, drawn by plotly.js with `Plotly.react`). Buttons run their controller call on a worker thread, so a checkpoint or a
 resize never blocks the kernel; the state line always says where the job is.
 
 DOM contract (the browser test relies on it): buttons labelled "Start", "Checkpoint", "Resize",
@@ -20,7 +20,6 @@ DOM contract (the browser test relies on it): buttons labelled "Start", "Checkpo
 
 from __future__ import annotations
 
-import copy
 import html
 import threading
 import time
@@ -29,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import ipywidgets as w
-import plotly.graph_objects as go
-from traitlets import Dict
 
 from varuna._store import Timeline
 from varuna.controller import JobController
 from varuna.errors import ConfigError, LaunchError
 from varuna_widgets import figures
+from varuna_widgets.plot import PlotView
 
 __all__ = ["Workbench"]
 
@@ -153,7 +151,7 @@ class Workbench:
         self.gpus_input.tooltip = "0: resize to P x D; N > 0: let the planner pick a P x D for N devices"
         self.message = w.HTML("")
         self.message.add_class("varuna-message")
-        self.timeline_fig = _Figure(
+        self.timeline_fig = PlotView(
             data=figures.timeline_traces(_empty_timeline()),
             layout={
                 "height": 300,
@@ -163,7 +161,7 @@ class Workbench:
             },
         )
         self.timeline_fig.add_class("varuna-timeline")
-        self.memory_fig = _Figure(
+        self.memory_fig = PlotView(
             data=figures.memory_traces([]),
             layout={
                 "height": 280,
@@ -173,7 +171,7 @@ class Workbench:
             },
         )
         self.memory_fig.add_class("varuna-memory")
-        self.curves_fig = _Figure(
+        self.curves_fig = PlotView(
             data=figures.curve_traces([]),
             layout={
                 "height": 280,
@@ -200,24 +198,16 @@ class Workbench:
                 w.HBox(controls, layout=w.Layout(flex_flow="row wrap")),
                 self.message,
                 self.problems,
-                self._slot("timeline_fig"),
-                w.HBox([self._slot("memory_fig"), self._slot("curves_fig")]),
+                self.timeline_fig,
+                w.HBox(
+                    [self.memory_fig, self.curves_fig],
+                    layout=w.Layout(display="grid", grid_template_columns="1fr 1fr"),
+                ),
                 self.ranks_table,
             ]
         )
 
-    def _slot(self, attr: str) -> w.Box:
-        return w.Box([getattr(self, attr)])
-
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        with self._draw_lock:
-            # What FigureWidget's own _repr_mimebundle_ does, which a figure inside a Box never gets:
-            # send the figure's full current state, so a new view draws from it rather than from
-            # the construction-time state plus every delta since.
-            for attr in ("timeline_fig", "memory_fig", "curves_fig"):
-                fig = getattr(self, attr)
-                fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
-                fig._widget_data = copy.deepcopy(fig._data)
         return self.view._repr_mimebundle_(**kwargs)
 
     # the job -----------------------------------------------------------------------------------
@@ -493,7 +483,7 @@ class Workbench:
             return
         self._seen["timeline"] = key
         traces = figures.timeline_traces(timeline)
-        firsts = {}
+        firsts: dict[int, float] = {}
         for row in timeline.rows:
             for s in row.spans:
                 firsts[s.step] = min(firsts.get(s.step, s.start), s.start)
@@ -505,23 +495,9 @@ class Workbench:
             )
         title = self._timeline_title(ctl, timeline.steps, metrics)
         layout = figures.timeline_layout(timeline, title=title, step_starts_ms=step_starts)
-        fig = self.timeline_fig
-        n_measured = len(figures.SPAN_KINDS)
-        if predicted and len(fig.data) == n_measured:
-            fig.add_traces(figures.predicted_traces([]))  # added once, then updated like the rest
-        with fig.batch_update():
-            for trace, new in zip(fig.data[:n_measured], traces):
-                trace.x, trace.base, trace.y, trace.customdata = (
-                    new["x"],
-                    new["base"],
-                    new["y"],
-                    new["customdata"],
-                )
-            for trace, new in zip(fig.data[n_measured:], predicted or figures.predicted_traces([])):
-                trace.x, trace.base, trace.y = new["x"], new["base"], new["y"]
-            fig.layout.title.text = layout["title"]["text"]
-            fig.layout.yaxis.categoryarray = layout["yaxis"]["categoryarray"]
-            fig.layout.shapes = layout["shapes"]
+        if self._prediction is not None and not predicted:
+            predicted = figures.predicted_traces([])  # keep the legend entries while no step is drawn
+        self.timeline_fig.update(data=traces + predicted, layout=layout)
 
     def _timeline_title(self, ctl: JobController, steps: list[int], metrics: list[Any]) -> str:
         if not steps:
@@ -546,10 +522,7 @@ class Workbench:
         if self._seen.get("memory") == key:
             return
         self._seen["memory"] = key
-        traces = figures.memory_traces(memory)
-        with self.memory_fig.batch_update():
-            for trace, new in zip(self.memory_fig.data, traces):
-                trace.x, trace.y, trace.name = new["x"], new["y"], new["name"]
+        self.memory_fig.update(data=figures.memory_traces(memory))
 
     def _draw_curves(self, ctl: JobController, metrics: list[Any]) -> None:
         key = (len(metrics), metrics[-1].step if metrics else None)
@@ -558,11 +531,7 @@ class Workbench:
         self._seen["curves"] = key
         traces = figures.curve_traces(metrics, max_points=self.max_points)
         shapes, notes = figures.relaunch_marks(self._rank0_hellos(ctl))
-        with self.curves_fig.batch_update():
-            for trace, new in zip(self.curves_fig.data, traces):
-                trace.x, trace.y = new["x"], new["y"]
-            self.curves_fig.layout.shapes = shapes
-            self.curves_fig.layout.annotations = notes
+        self.curves_fig.update(data=traces, layout={"shapes": shapes, "annotations": notes})
 
     def _draw_ranks(self, ctl: JobController) -> None:
         rows = ctl.ranks()
@@ -636,14 +605,6 @@ class Workbench:
             + "".join(parts)
             + "<div>Press Resume to relaunch from the last checkpoint.</div></div>"
         )
-
-
-class _Figure(go.FigureWidget):  # type: ignore[misc]
-    """A FigureWidget that hears its views' acknowledgements: plotly.js (plotly 6-7) reports each
-    rendered update as `_js2py_widget_layoutDelta`, a name the Python class does not declare, so
-    ipywidgets would drop it."""
-
-    _js2py_widget_layoutDelta = Dict(allow_none=True).tag(sync=True)
 
 
 def _dash(value: Any) -> str:
