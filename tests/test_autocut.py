@@ -1,8 +1,9 @@
 """Tests of varuna/autocut.py: CutPoints inserted between repeated blocks, without the model's help.
 
-The models here have no CutPoints: our GPT with its cut list emptied, and small look-alikes with
+The models here have no CutPoints: our GPT with its cut list emptied, small look-alikes with
 the attribute structure of the transformers library's GPT-2 (`transformer.h`, blocks returning
-tuples) and BERT (`bert.encoder.layer`). A two-stage split is played in one process with a CutPoint
+tuples) and BERT (`bert.encoder.layer`), and the transformers library's own GPT-2 and BERT built
+from a config (a dev dependency). A two-stage split is played in one process with a CutPoint
 handler doing what the engine's runtime does at a boundary.
 """
 
@@ -316,3 +317,49 @@ def test_explicit_blocks_argument() -> None:
         auto_cut(_uncut_gpt(), blocks="ln_f")
     with pytest.raises(PartitionError, match=r"auto_cut\(blocks='nope'\): no such submodule"):
         auto_cut(_uncut_gpt(), blocks="nope")
+
+
+class _LossOf(nn.Module):
+    """What a user writes around a transformers model: forward(**batch) returns the loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch: torch.Tensor) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_transformers_models_built_from_a_config(arch: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = {"vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    batch = _gpt_batch()
+    if arch == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=3, n_embd=32, n_head=2, n_positions=32, use_cache=False,
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **small,
+        )  # fmt: skip
+        model, container = _LossOf(transformers.GPT2LMHeadModel(config)), "model.transformer"
+        batch["labels"] = batch["input_ids"]  # the model shifts them itself
+    else:
+        config = transformers.BertConfig(
+            num_hidden_layers=3, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small,
+        )  # fmt: skip
+        model, container = _LossOf(transformers.BertForMaskedLM(config)), "model.bert.encoder"
+        mask = torch.ones_like(batch["input_ids"])
+        mask[:, 12:] = 0  # padding: every stage needs the mask, computed from the batch
+        batch["attention_mask"] = mask
+    keys = model.state_dict().keys()
+    blocks = find_blocks(model)[1]
+    assert len(blocks) == 3 and all(b.startswith(container) for b in blocks)
+    assert auto_cut(model) == [f"{container}.varuna_cuts.{i}" for i in range(2)]
+    assert model.state_dict().keys() == keys  # pretrained weights load as before
+    assert trace_model(model, batch).cut_names == [f"{container}.varuna_cuts.{i}" for i in range(2)]
+    loss, grads = _plain_loss_and_grads(model, batch)
+    for boundary in (0, 1):
+        split_loss, split_grads = _two_stage_loss_and_grads(model, batch, boundary)
+        assert split_loss == pytest.approx(loss, rel=1e-6)
+        torch.testing.assert_close(split_grads, grads)
