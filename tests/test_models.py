@@ -22,6 +22,7 @@ from varuna.models import (
     gpt_demo,
     gpt_tiny,
 )
+from varuna.partition import trace_model
 
 torch.set_num_threads(1)
 
@@ -344,3 +345,15 @@ def test_bert_under_bf16_autocast() -> None:
         loss = model(**batch)
     assert torch.isfinite(loss)
     assert abs(loss.item() - reference.item()) < 0.05
+
+
+def test_gpt_cut_inside_blocks_is_the_same_model_with_finer_cuts() -> None:
+    plain, fine = tiny_gpt(), tiny_gpt(cut_inside_blocks=True)
+    assert fine.state_dict().keys() == plain.state_dict().keys()
+    batch = gpt_batch(plain.config)
+    torch.testing.assert_close(fine(**batch), plain(**batch))
+    # the cuts in call order: inside block 0, after block 0, inside block 1, ...; none after the last
+    n = plain.config.n_layer
+    expected = [name for i in range(n) for name in (f"blocks.{i}.mid", f"cuts.{i}")][:-1]
+    assert trace_model(fine, batch).cut_names == expected
+    assert gpt_bench().cut_inside_blocks and not gpt_tiny().cut_inside_blocks

@@ -139,6 +139,11 @@ def test_shared_weights_train_like_a_tied_model(runs) -> None:
     _check_against(runs[2], "shared-rank*.pt", reference("gpt"), 2, rename={"lm_head.weight": "wte.weight"})
 
 
+@pytest.mark.parametrize("boundary", [0, 2])
+def test_a_boundary_inside_a_block(runs, boundary) -> None:
+    _check_against(runs[2], f"midcut{boundary}-rank*.pt", reference("gpt"), 2)
+
+
 def test_clipping_by_the_global_norm(runs) -> None:
     _check_against(runs[4], "clip-rank*.pt", reference("gpt", clip=CLIP), 4)
 

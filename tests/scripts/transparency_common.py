@@ -33,11 +33,13 @@ def build(kind: str) -> nn.Module:
         missing, unexpected = untied.load_state_dict(tied.state_dict(), strict=False)
         assert missing == ["lm_head.weight"] and not unexpected
         return untied
+    if kind == "gpt-midcut":  # the same GPT (same parameters) with a CutPoint inside every block too
+        return GPT(dataclasses.replace(gpt_tiny(), cut_inside_blocks=True))
     return GPT(gpt_tiny()) if kind == "gpt" else BertMLM(bert_tiny())
 
 
 def dataset(kind: str) -> Any:
-    if kind == "gpt":
+    if kind.startswith("gpt"):
         cfg = gpt_tiny()
         return SyntheticLM(cfg.vocab_size, cfg.seq_len, 256, seed=7)
     bcfg = bert_tiny()
@@ -85,5 +87,9 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, n
     Elementwise relative error alone is meaningless for entries that pass through zero.
     """
     torch.testing.assert_close(
-        actual, expected, rtol=rel, atol=rel * float(expected.abs().max()), msg=lambda m, name=name: f"{name}: {m}"
+        actual,
+        expected,
+        rtol=rel,
+        atol=rel * float(expected.abs().max()),
+        msg=lambda m, name=name: f"{name}: {m}",
     )

@@ -93,6 +93,16 @@ if world == 2:
     torch.save({"losses": losses, "params": params}, out / f"shared-rank{engine.rank}.pt")
     engine.close()
 
+    # A stage boundary inside a block (between its attention and its MLP): cut 0 is inside block 0,
+    # cut 2 inside block 1.
+    for boundary, schedule in ((0, "1f1b"), (2, "varuna")):
+        engine, data = engine_for("gpt-midcut", 2, 1, schedule=schedule, partition=[boundary])
+        engine.set_optimizer(optimizer(engine.parameters()))
+        losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
+        params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        torch.save({"losses": losses, "params": params}, out / f"midcut{boundary}-rank{engine.rank}.pt")
+        engine.close()
+
 if world == 4:
     # Clipping by the global norm over all stages and replicas.
     engine, data = engine_for("gpt", 2, 2, schedule="varuna", clip_grad_norm=CLIP)

@@ -193,54 +193,51 @@ def run_varuna(spec: dict[str, Any]) -> list[dict[str, Any]]:
 # -------------------------------------------------------------------------------- torch.pipelining
 
 
-class _FirstStage(nn.Module):
-    def __init__(self, gpt: GPT, blocks: range) -> None:
+def _units(n_layer: int, inside: bool) -> list[tuple[str, int]]:
+    """The GPT's blocks as the pieces a stage boundary can fall between, in order: each block whole,
+    or (with `cut_inside_blocks`) its attention half and its MLP half."""
+    if not inside:
+        return [("block", i) for i in range(n_layer)]
+    return [(half, i) for i in range(n_layer) for half in ("attend", "feed")]
+
+
+def _stage_units(boundaries: list[int], stage: int, units: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The units of `stage` under varuna's boundaries (cut c sits after unit c)."""
+    first = boundaries[stage - 1] + 1 if stage > 0 else 0
+    last = boundaries[stage] if stage < len(boundaries) else len(units) - 1
+    return units[first : last + 1]
+
+
+class _Stage(nn.Module):
+    """One torch.pipelining stage cut from the GPT: the embedding on the first, then its units, and
+    ln_f with the LM head on the last (an untied copy of the token embedding; see pipeline.py)."""
+
+    def __init__(self, gpt: GPT, units: list[tuple[str, int]], *, first: bool, last: bool) -> None:
         super().__init__()
-        self.wte, self.wpe = gpt.wte, gpt.wpe
-        self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.wte(input_ids) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class _MiddleStage(nn.Module):
-    def __init__(self, gpt: GPT, blocks: range) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
+        self.units = units
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in sorted({i for _, i in units})})
+        self.wte, self.wpe = (gpt.wte, gpt.wpe) if first else (None, None)
+        self.ln_f: nn.Module | None = None
+        self.head: nn.Linear | None = None
+        if last:
+            self.ln_f = gpt.ln_f
+            self.head = nn.Linear(gpt.config.d_model, gpt.config.vocab_size, bias=False)
+            with torch.no_grad():
+                self.head.weight.copy_(gpt.wte.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            x = block(x)
+        if self.wte is not None and self.wpe is not None:  # x is the input ids
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for kind, i in self.units:
+            block = self.blocks[str(i)]
+            x = block(x) if kind == "block" else getattr(block, kind)(x)
+        if self.ln_f is not None and self.head is not None:
+            x = self.head(self.ln_f(x))
         return x
-
-
-class _LastStage(_MiddleStage):
-    """The last blocks, ln_f and the LM head: an untied copy of the token embedding (see pipeline.py)."""
-
-    def __init__(self, gpt: GPT, blocks: range) -> None:
-        super().__init__(gpt, blocks)
-        self.ln_f = gpt.ln_f
-        self.head = nn.Linear(gpt.config.d_model, gpt.config.vocab_size, bias=False)
-        with torch.no_grad():
-            self.head.weight.copy_(gpt.wte.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.ln_f(super().forward(x)))
 
 
 def _lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-def _stage_blocks(boundaries: list[int], stage: int, n_layer: int) -> range:
-    """Blocks of `stage` under varuna's boundaries (cut i sits after block i)."""
-    first = boundaries[stage - 1] + 1 if stage > 0 else 0
-    last = boundaries[stage] if stage < len(boundaries) else n_layer - 1
-    return range(first, last + 1)
 
 
 def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -256,13 +253,11 @@ def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
     batches = _batches(spec)
     M = spec["global_batch_size"] // spec["micro_batch_size"]
     bounds = spec["boundaries"]
-    n_layer = spec["model"]["n_layer"]
+    units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
     results = []
     for name in spec["schedules"]:
         gpt = _model(spec["model"])
-        blocks = _stage_blocks(bounds, rank, n_layer)
-        kind = _FirstStage if rank == 0 else _LastStage if rank == P - 1 else _MiddleStage
-        submod = kind(gpt, blocks)
+        submod = _Stage(gpt, _stage_units(bounds, rank, units), first=rank == 0, last=rank == P - 1)
         del gpt
         stage = PipelineStage(submod, rank, P, torch.device("cpu"))
         schedule = schedules[name](stage, n_microbatches=M, loss_fn=_lm_loss)

@@ -11,7 +11,9 @@ with AdamW and one torch thread per rank:
                        kernels on the same shapes), then one optimizer step: the per-rank ideal.
     varuna             `Varuna(...)` with each schedule, at each P, D = 1, partition "balanced".
     torch.pipelining   `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` on per-stage modules cut
-                       from the same GPT at the same block boundaries Varuna chose. The last stage's
+                       from the same GPT at the same boundaries Varuna chose (the bench GPT has a
+                       CutPoint inside every block too, so a boundary may split a block between its
+                       attention and its MLP; both systems then split it there). The last stage's
                        LM head is an untied copy of the token embedding (torch.pipelining has no
                        tied weights across stages); it does the same matmul, so throughput is the
                        same, but after step 0 its weights drift from Varuna's.
@@ -118,11 +120,12 @@ def full() -> PipelineBench:
 
 
 def quick() -> PipelineBench:
-    """`gpt_tiny()`, batch 8 in 4 micro-batches, P = 3 only (first, middle and last stages), 1+2 steps."""
+    """`gpt_tiny()` with CutPoints inside the blocks as in `full`, batch 8 in 4 micro-batches, P = 3
+    only (first, middle and last stages), 1+2 steps."""
     from varuna.models import gpt_tiny
 
     return PipelineBench(
-        model=asdict(gpt_tiny()),
+        model=asdict(gpt_tiny()) | {"cut_inside_blocks": True},
         global_batch_size=8,
         micro_batch_size=2,
         pipelines=(3,),
