@@ -31,14 +31,14 @@ from varuna import _events
 from varuna._channel import Channel
 from varuna._launches import ConsoleTail, DeadRank, Launch, post_mortem
 from varuna._store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
+from varuna.elastic import USER_STOP, hostfile_slots, next_shape
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch import Job
-from varuna.morph import MORPH_EXIT, ShapeChoice, live_workers, request_resize, shape_for_gpus, take_resize
+from varuna.morph import MORPH_EXIT, Shape, ShapeChoice, live_workers, request_resize, shape_for_gpus
 
 __all__ = ["JobController", "JobState", "DeadRank"]
 
 JobState = Literal["starting", "running", "checkpointing", "morphing", "stopped", "failed", "finished"]
-_USER_STOP = {128 + signal.SIGTERM, 128 + signal.SIGKILL, 128 + signal.SIGINT}
 
 
 class JobController:
@@ -61,6 +61,9 @@ class JobController:
         self._job_options: dict[str, Any] = {}
         self._attached_pids: list[int] = []
         self._morph_from: Launch | None = None
+        self.elastic = True
+        """Relaunch after a morph exit (a resize, a stop-for-morph); False: a morph exit ends the job."""
+        self._slots: int | None = None
 
     # sockets -----------------------------------------------------------------------------------
     def _bind(self, events: str | None = None, commands: str | None = None) -> None:
@@ -126,6 +129,7 @@ class JobController:
             "grace_s": grace_s,
             "env": dict(env or {}),
         }
+        self._slots = hostfile_slots(Path(hostfile)) if hostfile else None  # an edited hostfile resizes
         self._bind()
         try:
             job = self._make_job(pipeline, data, resume)  # validates the arguments here, in the caller
@@ -172,15 +176,17 @@ class JobController:
                 else:
                     self._state = (
                         "finished" if code == 0
-                        else "stopped" if code == MORPH_EXIT or (intent == "stop" and code in _USER_STOP)
+                        else "stopped" if code == MORPH_EXIT or (intent == "stop" and code in USER_STOP)
                         else "failed"
                     )  # fmt: skip
             self._note("job_end", exit_code=code, state=self._state, summary=job.summary)
             if self._state != "morphing":
                 return
-            shape = take_resize(self.run_dir)
-            pipeline, data = (shape.pipeline, shape.data) if shape else (job.pipeline, job.data)
-            job = self._make_job(pipeline, data, "latest")
+            hostfile = self._job_options["hostfile"]
+            shape = next_shape(self.run_dir, Shape(job.pipeline, job.data), hostfile, self._slots)
+            if hostfile is not None:
+                self._slots = hostfile_slots(hostfile)
+            job = self._make_job(shape.pipeline, shape.data, "latest")
 
     def _after(self, launch: Launch) -> None:
         """Reconcile the logs (messages lost at exit), then note each rank's `exit` and the dead ranks."""
@@ -218,7 +224,7 @@ class JobController:
         else:
             code = job.get("exit_code")
             self._state = (
-                "finished" if code == 0 else "stopped" if code in (MORPH_EXIT, *_USER_STOP) else "failed"
+                "finished" if code == 0 else "stopped" if code in (MORPH_EXIT, *USER_STOP) else "failed"
             )
         return self
 
@@ -233,9 +239,7 @@ class JobController:
         ):
             time.sleep(0.2)
         code = job.get("exit_code")
-        self._state = (
-            "finished" if code == 0 else "stopped" if code in (MORPH_EXIT, *_USER_STOP) else "failed"
-        )
+        self._state = "finished" if code == 0 else "stopped" if code in (MORPH_EXIT, *USER_STOP) else "failed"
 
     # state and health --------------------------------------------------------------------------
     @property

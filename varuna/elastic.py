@@ -21,9 +21,10 @@ from varuna.errors import ConfigError
 from varuna.launch import run_job
 from varuna.morph import MORPH_EXIT, Shape, choose_shape, take_resize
 
-__all__ = ["run_elastic", "hostfile_slots"]
+__all__ = ["run_elastic", "hostfile_slots", "next_shape", "USER_STOP"]
 
-_USER_STOP = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
+USER_STOP = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
+"""Exit codes of a job stopped by a signal from its user: a stop, not a crash."""
 
 
 def hostfile_slots(hostfile: Path) -> int:
@@ -42,7 +43,10 @@ def hostfile_slots(hostfile: Path) -> int:
     return total
 
 
-def _next_shape(run_dir: Path, current: Shape, hostfile: Path | None, slots: int | None) -> Shape:
+def next_shape(run_dir: Path, current: Shape, hostfile: Path | None, slots: int | None) -> Shape:
+    """The shape to relaunch in after a morph exit, for `varuna run --elastic` and the controller alike:
+    the oldest `varuna resize` request, else (when the hostfile's slot count is no longer `slots`) a
+    shape for the new count, else `current`."""
     requested = take_resize(run_dir)
     if requested is not None:
         return requested
@@ -82,10 +86,10 @@ def run_elastic(
             extra_env={"VARUNA_RESUME": "latest", "VARUNA_LAUNCH": str(launches)},
             timeout_s=timeout_s,
         )
-        if code == 0 or code in _USER_STOP or code == 124:
+        if code == 0 or code in USER_STOP or code == 124:
             return code
         if code == MORPH_EXIT:
-            new = _next_shape(run_dir, shape, hostfile, slots)
+            new = next_shape(run_dir, shape, hostfile, slots)
             if hostfile is not None:
                 slots = hostfile_slots(hostfile)
             print(
