@@ -43,6 +43,7 @@ $(CHROMIUM):
 lint: install
 	$(BIN)/ruff check varuna widgets tests
 	$(BIN)/ruff format --check varuna widgets tests
+	$(BIN)/mypy varuna widgets/varuna_widgets
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

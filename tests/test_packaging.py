@@ -30,7 +30,9 @@ def test_environment_yml_matches_pyproject() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     widgets = tomllib.loads((ROOT / "widgets" / "pyproject.toml").read_text())["project"]["dependencies"]
-    wanted = {_name(s) for s in project["dependencies"] + extras["dev"] + extras["notebook"] + widgets} - {"varuna"}
+    wanted = {_name(s) for s in project["dependencies"] + extras["dev"] + extras["notebook"] + widgets} - {
+        "varuna"
+    }
     listed = {_name(s) for s in _env_pip() if not s.startswith("-e")}
     assert wanted - listed == set(), f"environment.yml lacks {sorted(wanted - listed)}"
     extra = listed - wanted - {"mpich"}  # the MPI wheel is chosen by the installer, as in the Makefile

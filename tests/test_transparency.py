@@ -128,7 +128,9 @@ def _check_against(
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
         for name, value in r["params"].items():
             expected = ref_params[(rename or {}).get(name, name)]
-            torch.testing.assert_close(value, expected, rtol=RTOL, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                value, expected, rtol=RTOL, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 def test_variable_sequence_length(runs) -> None:

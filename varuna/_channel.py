@@ -44,7 +44,7 @@ class Channel:
         self._lock = threading.Lock()
         host = "*" if interface in ("*", "0.0.0.0") else interface
         shown = socket.getfqdn() if host == "*" else host
-        ctx = zmq.Context.instance()
+        ctx: Any = zmq.Context.instance()
         self._pull, self._pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
         addresses = []
         try:

@@ -246,7 +246,7 @@ class EventStore:
     def memory(self) -> list[StageMemory]:
         """The latest figures per stage."""
         with self._lock:
-            latest: dict[int, dict[str, Any]] = {}
+            latest: dict[int, dict[int, Any]] = {}
             for step in sorted(self._metrics):
                 for event in self._metrics[step].values():
                     latest.setdefault(int(event["stage"]), {})[int(event["replica"])] = event

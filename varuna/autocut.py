@@ -184,5 +184,6 @@ def auto_cut(model: nn.Module, *, blocks: Sequence[str] | None = None) -> list[s
     holder.add_module(attribute, cuts)
     prefix = f"{path}.{attribute}" if path else attribute
     for block_name, cut in zip(names, cuts):
+        assert isinstance(cut, CutPoint)
         model.get_submodule(block_name).register_forward_hook(_CutHook(cut, block_name))
     return [f"{prefix}.{i}" for i in range(len(cuts))]

@@ -136,7 +136,8 @@ class P2P:
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
         works = [dist.irecv(t, self.prev, tag=mb * _SLOTS + 1 + i) for i, t in enumerate(tensors)]
         for w in works:
-            w.wait()
+            if w is not None:  # None only for a rank outside the group, never here
+                w.wait()
         self.idle_s += t1 - t0
         self.comm_s += time.perf_counter() - t1
         for t in tensors:

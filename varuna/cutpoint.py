@@ -34,7 +34,7 @@ class _Skipped(torch.Tensor):
     ) -> Any:
         return SKIPPED
 
-    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # pragma: no cover
         return "SKIPPED"
 
 

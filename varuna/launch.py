@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import functools
 import importlib.util
+import io
 import os
 import select
 import shutil
@@ -146,8 +147,8 @@ class Job:
         extra_env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         grace_s: float = 10.0,
-        stdout: TextIO | None = None,
-        stderr: TextIO | None = None,
+        stdout: TextIO | io.TextIOBase | None = None,
+        stderr: TextIO | io.TextIOBase | None = None,
     ):
         _validate(script_argv, pipeline, data, hostfile)
         if timeout_s is not None and timeout_s <= 0:

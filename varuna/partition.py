@@ -352,7 +352,7 @@ def make_partition(
         segs = trace.param_segments.get(name)
         stages_of[name] = {stage_of_segment[j] for j in segs} if segs else {0}
 
-    tied_groups = [(name,) for name, st in stages_of.items() if len(st) > 1]
+    tied_groups: list[tuple[str, ...]] = [(name,) for name, st in stages_of.items() if len(st) > 1]
     for group in _resolve_shared(shared_weights, trace):
         tied_groups = [g for g in tied_groups if not set(g) & set(group)] + [group]
     tied = [
@@ -372,11 +372,11 @@ def make_partition(
     )
     for s, params in enumerate(stage_params):
         if not params:
-            segs = partition.stage_segments(s)
+            span = partition.stage_segments(s)
             raise PartitionError(
-                f"stage {s} (segments {segs.start}-{segs.stop - 1}, between CutPoints "
-                f"{trace.cut_names[segs.start - 1] if segs.start else 'start'} and "
-                f"{trace.cut_names[segs.stop - 1] if segs.stop - 1 < num_cuts else 'end'}) holds no parameters; "
+                f"stage {s} (segments {span.start}-{span.stop - 1}, between CutPoints "
+                f"{trace.cut_names[span.start - 1] if span.start else 'start'} and "
+                f"{trace.cut_names[span.stop - 1] if span.stop - 1 < num_cuts else 'end'}) holds no parameters; "
                 "choose other boundaries with partition=[...], fewer stages, or remove CutPoints around "
                 "parameter-free code."
             )

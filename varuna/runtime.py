@@ -17,7 +17,7 @@ so a stage fills its own bubble instead of idling.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +121,7 @@ class StageRuntime:
     def run(
         self,
         actions: list[Action],
-        micro: list[Mapping[str, Any]],
+        micro: Sequence[Mapping[str, Any]],
         *,
         loss_coef: float,
         allreduce: Callable[[], None],

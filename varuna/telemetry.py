@@ -108,6 +108,10 @@ class Telemetry:
         self._state_bytes: tuple[int, int] | None = None
         self._state_key: tuple[int, int] | None = None
         self._checkpoint_wanted = False
+        self._job = ""
+        self._launch = 1
+        self._param_ptrs: set[int] = set()
+        self._params_bytes = 0
 
     # construction ------------------------------------------------------------------------------
     @classmethod
@@ -149,7 +153,7 @@ class Telemetry:
         import zmq  # only workers that report to a controller need it
 
         self._key = bytes.fromhex(key_hex)
-        ctx = zmq.Context.instance()
+        ctx: Any = zmq.Context.instance()
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, _HWM)
         self._push.setsockopt(zmq.LINGER, 1000)

@@ -216,7 +216,8 @@ class _Stage(nn.Module):
         super().__init__()
         self.units = units
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in sorted({i for _, i in units})})
-        self.wte, self.wpe = (gpt.wte, gpt.wpe) if first else (None, None)
+        self.wte: nn.Embedding | None = gpt.wte if first else None
+        self.wpe: nn.Embedding | None = gpt.wpe if first else None
         self.ln_f: nn.Module | None = None
         self.head: nn.Linear | None = None
         if last:

@@ -321,7 +321,7 @@ def run(bench: PipelineBench) -> dict[str, Any]:
         rounds: list[list[dict[str, Any]]] = []
         for _ in range(bench.rounds if P == min(bench.pipelines) else 1):  # the 5-minute budget
             # the same boundaries in every round and for both systems, so rounds differ only by noise
-            fixed = {} if bounds is None else {"partition": bounds}
+            fixed: dict[str, Any] = {} if bounds is None else {"partition": bounds}
             mine = _job(bench, tmp, "varuna", P, bench.varuna_schedules, **fixed)
             bounds = mine[0]["boundaries"]
             theirs = (

@@ -148,7 +148,7 @@ def measure_refresh_hz(
     from varuna_widgets.workbench import Workbench
 
     saved = comm.create_comm
-    comm.create_comm = _EncodingComm
+    comm.create_comm = _EncodingComm  # type: ignore[assignment]
     _EncodingComm.sent_bytes = 0
     try:
         with tempfile.TemporaryDirectory(prefix="varuna-refresh-") as tmp:
