@@ -149,3 +149,24 @@ def test_new_fields_validate() -> None:
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, allreduce_by_world={4: {3: [(1, 1.0)]}})
     with pytest.raises(ConfigError, match=r"allreduce_by_world\[2\]\[2\] has no measured points"):
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, allreduce_by_world={2: {2: []}})
+
+
+def test_message_costs_and_the_arrival_report_round_trip(tmp_path: Path) -> None:
+    net = NetworkCost(
+        p2p_latency_s=1e-4,
+        p2p_bandwidth_Bps=1e9,
+        message_s={"SEND_F": 3e-4, "RECV_F": 4e-4, "SEND_B": 1e-4, "RECV_B": 5e-5, "DELAY_F": 7e-4},
+        reports_arrival=False,
+    )
+    back = CostTable.load(table(network=net).save(tmp_path / "profile.json"))
+    assert back.network == net and back.network.message_s["DELAY_F"] == 7e-4
+    legacy = table(network=net).to_json()
+    del legacy["network"]["message_s"], legacy["network"]["reports_arrival"]
+    old = CostTable.from_json(legacy).network
+    assert old.message_s == {} and old.reports_arrival  # an exact transport, no per-message costs
+    with pytest.raises(
+        ConfigError, match=r"message_s\['SEND_X'\] = 1.0; give seconds >= 0 for the kinds SEND_F"
+    ):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, message_s={"SEND_X": 1.0})
+    with pytest.raises(ConfigError, match=r"message_s\['RECV_F'\] = -1.0"):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, message_s={"RECV_F": -1.0})

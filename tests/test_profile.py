@@ -206,5 +206,9 @@ def test_varuna_profile_two_ranks(tmp_path: Path) -> None:
     assert all(t > 0 for _, t in table.network.allreduce[2]) and len(table.network.allreduce[2]) == 5
     assert table.network.allreduce_by_world == {2: table.network.allreduce}
     assert set(table.compute_slowdown) == {1, 2} and table.compute_slowdown[1] == 1.0
+    messages = table.network.message_s
+    assert set(messages) == {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "DELAY_F"}
+    assert messages["SEND_F"] > 0 and messages["RECV_F"] > 0 and all(v >= 0 for v in messages.values())
+    assert table.network.reports_arrival is False  # gloo: a receive is "completed" only once waited for
     assert not (run_dir / "engine.json").exists()  # the real engine never started: no training ran
     assert "varuna profile" in (run_dir / "logs" / "rank0.log").read_text()  # the progress bar

@@ -72,6 +72,38 @@ def test_back_to_back_sends_queue_on_the_link() -> None:
     assert t.spans[1][2] == Span("RECV_F", 1, 4.0, 5.0)
 
 
+def test_message_costs_occupy_the_stages_and_delay_the_activation() -> None:
+    costs = {"SEND_F": 0.1, "RECV_F": 0.2, "SEND_B": 0.05, "RECV_B": 0.15, "DELAY_F": 0.3}
+    t = simulate("gpipe", 2, 1, [U, U], comm=[0.5], message_s=costs)
+    assert t.spans[0][1] == Span("SEND_F", 0, 1.0, 1.1)  # the sender encodes and posts
+    # on the wire 0.5 from 1.1, 0.3 later than a bare tensor, then 0.2 to fetch the data
+    assert t.spans[1][0] == Span("RECV_F", 0, 0.0, pytest.approx(2.1))
+    assert compute(t.spans[1]) == [
+        ("F0", pytest.approx(2.1), pytest.approx(3.1)),
+        ("B0", pytest.approx(3.1), pytest.approx(5.1)),
+    ]
+    assert t.spans[1][-2] == Span("SEND_B", 0, pytest.approx(5.1), pytest.approx(5.15))
+    # the gradient leaves at 5.15, 0.5 on the wire (no DELAY_B), 0.15 to receive
+    assert t.spans[0][2] == Span("RECV_B", 0, pytest.approx(1.1), pytest.approx(5.8))
+    assert t.step_s == pytest.approx(7.8)
+    assert simulate("gpipe", 2, 1, [U, U], comm=[0.5], message_s={}).step_s == 7.0
+
+
+def test_a_transport_that_never_reports_arrival_steers_the_pull_ahead() -> None:
+    kw = {"recompute": False}
+    # gloo: the runtime's readiness check always says "not there": stage 0 pulls every forward
+    # ahead of its first RECV_B (even when the gradient is long there), the others never pull
+    blind = simulate("varuna", 3, 4, [U] * 3, sees_arrivals=False, **kw)  # type: ignore[arg-type]
+    assert [f"{sp.kind}{sp.microbatch}" for sp in blind.spans[0] if sp.kind in "FB"] == [
+        "F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3",
+    ]  # fmt: skip
+    plain = simulate("varuna", 3, 4, [U] * 3, opportunistic=False, **kw)  # type: ignore[arg-type]
+    assert [sp.kind for sp in blind.spans[1]] == [sp.kind for sp in plain.spans[1]]
+    assert [sp.kind for sp in blind.spans[2]] == [sp.kind for sp in plain.spans[2]]
+    seeing = simulate("varuna", 3, 4, [U] * 3, **kw)  # type: ignore[arg-type]
+    assert [sp.kind for sp in seeing.spans[1]] != [sp.kind for sp in plain.spans[1]]  # pulls F2, F3
+
+
 def test_varuna_recomputes_just_in_time() -> None:
     r = StageCost(forward_s=1.0, backward_s=2.0, recompute_s=0.5)
     t = simulate("varuna", 2, 1, [r, r])
@@ -201,5 +233,7 @@ def test_bad_input() -> None:
         simulate("zb", 2, 2, [U, U])  # type: ignore[arg-type]
     with pytest.raises(ScheduleError, match=r"update_s per stage needs 2 values >= 0"):
         simulate("gpipe", 2, 2, [U, U], update_s=[1.0])
+    with pytest.raises(ScheduleError, match=r"message_s = \{'SEND_X': 1.0\}: give seconds >= 0"):
+        simulate("gpipe", 2, 2, [U, U], message_s={"SEND_X": 1.0})
     with pytest.raises(ScheduleError, match=r"Sharing.replicas = 0; it must be at least 1"):
         simulate("gpipe", 2, 2, [U, U], sharing=Sharing(replicas=0, slowdown={2: 2.0}))

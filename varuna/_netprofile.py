@@ -26,6 +26,8 @@ __all__ = ["profile_network", "NETWORK_SIZES"]
 
 NETWORK_SIZES: tuple[int, ...] = (2**12, 2**16, 2**20, 2**23, 2**25)
 """Bytes per all-reduce measured by default: from latency-bound to a 25 MB gradient bucket."""
+MESSAGE_BYTES = 2**16
+"""Bytes of the activation whose per-message costs (`NetworkCost.message_s`) are measured."""
 
 
 def _comm_device() -> torch.device:
@@ -70,6 +72,95 @@ def _p2p(rank: int, device: torch.device, nbytes: int, repeats: int) -> tuple[fl
         result[0], result[1] = latency, big.numel() * 4 / (moved if moved > 0 else transfer)
     dist.broadcast(result, src=0)
     return float(result[0]), float(result[1])
+
+
+def _busy(seconds: float, work: torch.Tensor) -> None:
+    """Keep this rank's core busy for `seconds`, as a stage computing its next action does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        work @ work
+
+
+def _messages(
+    rank: int,
+    device: torch.device,
+    nbytes: int,
+    repeats: int,
+    transfer_s: float,
+    busy_s: float = 0.005,
+) -> tuple[dict[str, float], bool]:
+    """What the runtime's own transfer code (`varuna.comm.P2P`) costs per message between ranks 0
+    (stage 0) and 1 (stage 1) beyond `transfer_s` (`p2p_time(nbytes)` of bare tensors), and whether
+    the transport reports a message's arrival before it is waited for; the same on every rank.
+
+        SEND_F   rank 0 sends an activation of `nbytes` (header + data, posts its gradient's receive)
+        RECV_F   rank 1 receives it, the header long there and rank 0 computing meanwhile
+        SEND_B   rank 1 sends the gradient back
+        RECV_B   rank 0 receives it, sent while it was computing
+        DELAY_F  how much later than `transfer_s` an activation reaches a stage waiting for it: a
+                 round trip (activation there, gradient back) with both ranks waiting, less the
+                 four costs above and two transfers. The gradient's receive is posted early, a
+                 plain message; the activation's data is posted only once its header is read and
+                 then needs the sender's transfer thread, and each hop wakes a sleeping rank.
+
+    The arrival report is what the runtime's pull-ahead asks (`P2P.activation_ready`): gloo's
+    receives say "not completed" until waited for, however long the message has been there.
+    """
+    from varuna.comm import P2P
+
+    out = torch.zeros(6, dtype=torch.float64, device=device)
+    group = dist.new_group([0, 1])  # collective: every rank of the job creates it
+    if rank in (0, 1):
+        p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device)
+        work = torch.randn(64, 64, device=device)
+        act = torch.randn(max(nbytes // 4, 1), device=device)
+        samples: list[list[float]] = [[], [], [], [], []]
+        reported = 0
+        for m in range(2 * (repeats + 1)):
+            busy = m % 2 == 0  # even: the costs with the other rank computing; odd: a round trip
+            if rank == 1:
+                p2p.post_activation_header(m)
+            dist.barrier(group=group)
+            if rank == 0:
+                t0 = time.perf_counter()
+                p2p.send_activation(m, act)
+                t1 = time.perf_counter()
+                if busy:
+                    _busy(2 * busy_s, work)
+                t2 = time.perf_counter()
+                p2p.recv_grad(m)
+                t3 = time.perf_counter()
+                if m >= 2:
+                    if busy:
+                        samples[0].append(t1 - t0)
+                        samples[3].append(t3 - t2)
+                    else:
+                        samples[4].append(t3 - t0)
+            else:
+                if busy:
+                    _busy(busy_s, work)  # the header arrives meanwhile
+                    reported += p2p.activation_ready(m)
+                t0 = time.perf_counter()
+                value = p2p.recv_activation(m)
+                t1 = time.perf_counter()
+                value.grad = torch.ones_like(value)
+                t2 = time.perf_counter()
+                p2p.send_grad(m, value)
+                t3 = time.perf_counter()
+                if m >= 2 and busy:
+                    samples[1].append(t1 - t0)
+                    samples[2].append(t3 - t2)
+        p2p.finish()
+        if rank == 0:
+            out[0], out[3], out[5] = (statistics.median(samples[i]) for i in (0, 3, 4))
+        else:
+            out[1], out[2], out[4] = statistics.median(samples[1]), statistics.median(samples[2]), reported
+    dist.destroy_process_group(group)
+    dist.all_reduce(out)
+    send_f, recv_f, send_b, recv_b, reported_any, round_trip = out.tolist()
+    delay = max(round_trip - (send_f + recv_f + send_b + recv_b) - 2 * transfer_s, 0.0)
+    costs = {"SEND_F": send_f, "RECV_F": recv_f, "SEND_B": send_b, "RECV_B": recv_b, "DELAY_F": delay}
+    return costs, reported_any > 0
 
 
 def _allreduce(group_size: int, active: int, rank: int, sizes: Sequence[int], repeats: int,
@@ -133,6 +224,8 @@ def profile_network(
         )
     device = _comm_device()
     latency, bandwidth = _p2p(rank, device, p2p_bytes, repeats)
+    transfer = latency + MESSAGE_BYTES / bandwidth
+    messages, reports_arrival = _messages(rank, device, MESSAGE_BYTES, 10 * repeats, transfer)
     curves = {g: _allreduce(g, world, rank, sizes, repeats, device) for g in wanted}
     by_world = {world: dict(curves)}
     if group_sizes is None:
@@ -141,5 +234,10 @@ def profile_network(
                 g: _allreduce(g, w, rank, sizes, repeats, device) for g in range(2, w + 1) if w % g == 0
             }
     return NetworkCost(
-        p2p_latency_s=latency, p2p_bandwidth_Bps=bandwidth, allreduce=curves, allreduce_by_world=by_world
+        p2p_latency_s=latency,
+        p2p_bandwidth_Bps=bandwidth,
+        allreduce=curves,
+        allreduce_by_world=by_world,
+        message_s=messages,
+        reports_arrival=reports_arrival,
     )

@@ -32,6 +32,7 @@ from varuna.errors import ConfigError
 __all__ = ["SegmentCost", "NetworkCost", "CostTable", "model_signature", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
+MESSAGE_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "DELAY_F", "DELAY_B")
 
 
 def _int_keys(data: Mapping[Any, Any], what: str) -> dict[int, Any]:
@@ -174,6 +175,17 @@ class NetworkCost:
     """World size w -> group size g -> (bytes, seconds) points, measured with only w ranks active,
     all w/g groups of the stage layout reducing at once (how a P x D = w job reduces). On a shared
     host the ranks compete for cores, so a 1 x 2 job reduces faster than two groups of a 2 x 2 one."""
+    message_s: dict[str, float] = field(default_factory=dict)
+    """Per message, what the runtime's transfer code adds to `p2p_time`: SEND_F / SEND_B -> seconds
+    a send keeps the sending stage busy (encoding, posting), RECV_F / RECV_B -> seconds a receive
+    keeps the receiving stage busy once the message is there (an activation's data is fetched
+    only after its header is read), DELAY_F / DELAY_B -> seconds later than `p2p_time` a value
+    reaches a stage that waits for it. {} (or a missing kind) means unmeasured: 0."""
+    reports_arrival: bool = True
+    """Whether a posted receive says "completed" once its message is there, before it is waited
+    for. The runtime's pull-ahead (Varuna's schedule) asks exactly that; gloo's receives say
+    "not completed" until waited for, so there stage 0 always pulls the next forward ahead and the
+    other stages never do (measured by the profile)."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.p2p_latency_s) or self.p2p_latency_s < 0:
@@ -194,6 +206,12 @@ class NetworkCost:
                         f"integer >= 2 dividing the world size {world}"
                     )
                 curves[group] = _check_points(points, f"NetworkCost.allreduce_by_world[{world}][{group}]")
+        for kind, seconds in self.message_s.items():
+            if kind not in MESSAGE_KINDS or not math.isfinite(seconds) or seconds < 0:
+                raise ConfigError(
+                    f"NetworkCost.message_s[{kind!r}] = {seconds!r}; give seconds >= 0 for the kinds "
+                    f"{', '.join(MESSAGE_KINDS)}"
+                )
 
     def p2p_time(self, nbytes: int) -> float:
         """Seconds to move `nbytes` between neighbouring stages: latency + bytes / bandwidth."""
@@ -232,6 +250,8 @@ class NetworkCost:
                 str(w): {str(g): [[b, t] for b, t in pts] for g, pts in sorted(curves.items())}
                 for w, curves in sorted(self.allreduce_by_world.items())
             },
+            "message_s": dict(self.message_s),
+            "reports_arrival": self.reports_arrival,
         }
 
     @classmethod
@@ -248,6 +268,8 @@ class NetworkCost:
                 w: {g: [(int(b), float(t)) for b, t in pts] for g, pts in _int_keys(curves, "groups").items()}
                 for w, curves in by_world.items()
             },
+            message_s={str(k): float(v) for k, v in data.get("message_s", {}).items()},
+            reports_arrival=bool(data.get("reports_arrival", True)),
         )
 
 

@@ -474,6 +474,8 @@ def _evaluate(
         final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, world, world=world),
         update_s=update,
         sharing=Sharing(replicas=data, slowdown=table.compute_slowdown) if table.compute_slowdown else None,
+        message_s=net.message_s,
+        sees_arrivals=net.reports_arrival,
         recompute=recompute,
     )
     return Candidate(

@@ -383,14 +383,25 @@ def profile_table(
 
 
 def measure_slowdown(
-    model: nn.Module, example_batch: Mapping[str, Any], *, micro_batch_size: int = 1, repeats: int = 5
+    model: nn.Module,
+    example_batch: Mapping[str, Any],
+    *,
+    micro_batch_size: int = 1,
+    repeats: int = 3,
+    rounds: int = 3,
 ) -> dict[int, float]:
-    """Collective: n -> a rank's forward+backward time while ranks 0..n-1 all run it, over rank 0's
-    time alone, for n = 1 .. world size. Every rank returns the same table.
+    """Collective: n -> a rank's forward+backward time while ranks 0..n-1 all run it, over the
+    time with rank 0 running it alone, for n = 1 .. world size. Every rank returns the same table.
 
-    Each rank runs its own copy of `model` on a micro-batch of `micro_batch_size` rows, `repeats`
-    timed passes after a warm-up; the factor is the median over the busy ranks of their median
-    pass. Gradients and RNG state are left as they were.
+    Each rank runs its own copy of `model` on a micro-batch of `micro_batch_size` rows. The n busy
+    ranks run passes back to back until a common deadline (about `repeats` passes' worth of
+    n-way sharing), so every timed pass overlaps all n-1 others for its whole length; a pass still
+    running at the deadline (when the others may have stopped) is not counted. Running for a fixed
+    number of passes instead lets the first rank done hand its core to the rest, which reads
+    sharing as cheaper than it is. The host's speed drifts over seconds, so the counts 1..world
+    are measured in `rounds` interleaved rounds and each round's factors are over that round's
+    lone time; the table holds the median factor of the rounds. Gradients and RNG state are left
+    as they were.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _device_of(model)
@@ -398,27 +409,42 @@ def measure_slowdown(
         (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     )
     micro = _micro_batch(example_batch, micro_batch_size, device)
-    medians: list[float] = []
+
+    def one_pass() -> float:
+        sync()
+        t0 = time.perf_counter()
+        model(**micro).backward()
+        sync()
+        return time.perf_counter() - t0
+
+    factors: dict[int, list[float]] = {n: [] for n in range(1, world + 1)}
     with _preserved(model):
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
-        for n in range(1, world + 1):
-            dist.barrier()
-            mine = float("nan")
-            if rank < n:
-                times = []
-                for rep in range(repeats + 1):
-                    sync()
-                    t0 = time.perf_counter()
-                    model(**micro).backward()
-                    sync()
-                    if rep:
-                        times.append(time.perf_counter() - t0)
-                mine = statistics.median(times)
-            every: list[Any] = [None] * world
-            dist.all_gather_object(every, mine)
-            medians.append(statistics.median(every[:n]))
-    return {n + 1: medians[n] / medians[0] for n in range(world)}
+        one_pass()  # warm-up on every rank
+        box = [statistics.median(one_pass() for _ in range(3)) if rank == 0 else 0.0]
+        dist.broadcast_object_list(box, src=0)
+        lone = float(box[0])
+        for _ in range(rounds):
+            medians: list[float] = []
+            for n in range(1, world + 1):
+                dist.barrier()
+                mine = float("nan")
+                if rank < n:
+                    deadline = time.perf_counter() + max(repeats, 1) * n * lone
+                    times = []
+                    while True:
+                        t = one_pass()
+                        if time.perf_counter() > deadline:
+                            break
+                        times.append(t)
+                    mine = statistics.median(times) if times else t
+                every: list[Any] = [None] * world
+                dist.all_gather_object(every, mine)
+                medians.append(statistics.median(every[:n]))
+            for n in range(1, world + 1):
+                factors[n].append(medians[n - 1] / medians[0])
+    return {n: statistics.median(f) for n, f in factors.items()}
 
 
 def run_profile(

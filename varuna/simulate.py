@@ -5,16 +5,22 @@ One source of truth for schedules: `simulate` times exactly `lower(make_schedule
 and each stage's gradient all-reduce. Rules, as in the runtime:
 
     F, B, R      take the stage's forward / backward / recompute seconds
-    SEND_F/B     cost the sender nothing; the value arrives after the boundary's transfer time
-                 (a link carries one transfer per direction at a time, so back-to-back sends queue)
-    RECV_F/B     complete at max(now, arrival); the wait is idle time
+    SEND_F/B     cost the sender `message_s[kind]` (the runtime's encoding and posting, default 0);
+                 the value arrives after the boundary's transfer time plus `message_s["DELAY_F"]`
+                 (or DELAY_B; default 0) (a link carries one transfer per direction at a time, so
+                 back-to-back sends queue)
+    RECV_F/B     complete at max(now, arrival) + `message_s[kind]` (fetching the data once it is
+                 there, default 0); the wait is idle time
     ALLREDUCE    takes the stage's all-reduce seconds; the step ends when every stage is done,
                  plus one small all-reduce (`final_allreduce_s`), plus the slowest stage's
                  parameter update (`update_s`: gradient norm and optimizer step)
     opportunistic  (default for "varuna") when the next action is RECV_B(m), that gradient has not
                  arrived and the next forward's input has (stage 0: always), run that forward's
                  RECV_F, F, SEND_F first; a value arriving exactly when the stage looks counts as
-                 there, and once the stage waits in RECV_B it waits until that gradient arrives
+                 there, and once the stage waits in RECV_B it waits until that gradient arrives;
+                 with `sees_arrivals=False` (a transport whose receives only report completion
+                 once waited for, as gloo's) the runtime's check never sees a value there: stage 0
+                 pulls every next forward ahead, the other stages never do
 
 For P=2, M=1, f=1, b=2 and a transfer of c on the boundary (times in the picture):
 
@@ -44,6 +50,7 @@ from varuna.schedule import COMPUTE_KINDS, Action, Schedule, ScheduleName, Span,
 __all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_lowered"]
 
 _MAX_PASSES = 60
+_MESSAGE_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "DELAY_F", "DELAY_B")
 _SETTLED = 1e-6  # relative change of every duration that ends the passes
 
 
@@ -160,6 +167,8 @@ def simulate(
     final_allreduce_s: float = 0.0,
     update_s: Sequence[float] | None = None,
     sharing: Sharing | None = None,
+    message_s: Mapping[str, float] | None = None,
+    sees_arrivals: bool = True,
     recompute: bool | None = None,
     opportunistic: bool | None = None,
 ) -> Timeline:
@@ -169,8 +178,10 @@ def simulate(
     (or its gradient) across the boundary between stages s and s+1 (P-1 values, default 0);
     `allreduce_s[s]` stage s's gradient all-reduce (default 0); `update_s[s]` its parameter update
     after the final all-reduce (default 0); `sharing` makes busy stages slow each other down (see
-    the module docstring). `recompute` goes to `make_schedule` (None: True for "varuna");
-    `opportunistic=None` means True for "varuna" only.
+    the module docstring); `message_s` maps SEND_F, RECV_F, SEND_B, RECV_B to the seconds the
+    runtime spends per message on top of the transfer (`NetworkCost.message_s`);
+    `sees_arrivals` is `NetworkCost.reports_arrival` (see the module docstring). `recompute` goes
+    to `make_schedule` (None: True for "varuna"); `opportunistic=None` means True for "varuna" only.
 
         >>> t = simulate("gpipe", 2, 2, [StageCost(forward_s=1, backward_s=2)] * 2)
         >>> t.step_s, t.bubble_fraction
@@ -185,6 +196,8 @@ def simulate(
         final_allreduce_s=final_allreduce_s,
         update_s=update_s,
         sharing=sharing,
+        message_s=message_s,
+        sees_arrivals=sees_arrivals,
         opportunistic=schedule_name == "varuna" if opportunistic is None else opportunistic,
         name=schedule_name,
         num_microbatches=num_microbatches,
@@ -200,6 +213,8 @@ def simulate_lowered(
     final_allreduce_s: float = 0.0,
     update_s: Sequence[float] | None = None,
     sharing: Sharing | None = None,
+    message_s: Mapping[str, float] | None = None,
+    sees_arrivals: bool = True,
     opportunistic: bool = False,
     name: str = "custom",
     num_microbatches: int | None = None,
@@ -213,13 +228,20 @@ def simulate_lowered(
     comm_s = _per_stage(comm, num_stages - 1, "comm seconds per boundary")
     reduce_s = _per_stage(allreduce_s, num_stages, "allreduce_s per stage")
     updates = _per_stage(update_s, num_stages, "update_s per stage")
+    messages = dict(message_s or {})
+    if any(k not in _MESSAGE_KINDS or not v >= 0 for k, v in messages.items()):
+        raise ScheduleError(
+            f"message_s = {messages}: give seconds >= 0 for the kinds {', '.join(_MESSAGE_KINDS)}"
+        )
     if sharing is not None and sharing.replicas < 1:
         raise ScheduleError(f"Sharing.replicas = {sharing.replicas}; it must be at least 1")
     shared = sharing is not None and sharing.matters(num_stages)
     durations: dict[tuple[int, str, int], float] = {}
     change, step = float("inf"), 1.0
     for _ in range(_MAX_PASSES if shared else 1):
-        sim = _Simulation(schedule, stage_costs, comm_s, reduce_s, opportunistic, durations)
+        sim = _Simulation(
+            schedule, stage_costs, comm_s, reduce_s, opportunistic, durations, messages, sees_arrivals
+        )
         sim.run()
         if not shared:
             break
@@ -343,7 +365,11 @@ class _Simulation:
         allreduce: list[float],
         opportunistic: bool,
         durations: Mapping[tuple[int, str, int], float] | None = None,
+        messages: Mapping[str, float] | None = None,
+        sees_arrivals: bool = True,
     ) -> None:
+        self.messages = messages or {}
+        self.sees_arrivals = sees_arrivals
         self.queues = [list(schedule[s]) for s in range(len(schedule))]
         self.costs = costs
         self.durations = durations or {}
@@ -404,9 +430,11 @@ class _Simulation:
         """Run stage s's next action (or pulled-ahead group): "done", "blocked" or "undecided"."""
         head, t = self.queues[s][0], self.clock[s]
         if self.opportunistic and head.kind == "RECV_B" and s not in self.committed:
-            grad = self._state("B", s, head.microbatch or 0, t)
+            grad = self._state("B", s, head.microbatch or 0, t) if self.sees_arrivals else "no"
             if grad != "yes":
                 ahead, group = self._next_forward(s, t)
+                if not self.sees_arrivals and s > 0:
+                    ahead = "no"
                 if force:  # nothing unsent can arrive by t (see the class docstring)
                     grad, ahead = "no", "yes" if ahead == "yes" else "no"
                 if ahead == "unknown" or (grad == "unknown" and ahead == "yes"):
@@ -432,11 +460,15 @@ class _Simulation:
         elif a.kind == "ALLREDUCE":
             end = t + self.allreduce[s]
         elif a.kind in ("RECV_F", "RECV_B"):
-            end = max(t, self.arrival[(a.kind[-1], s, m)])
+            end = max(t, self.arrival[(a.kind[-1], s, m)]) + self.messages.get(a.kind, 0.0)
         else:  # SEND_F / SEND_B: queue on the link, arrive after the transfer
+            end = t + self.messages.get(a.kind, 0.0)
             to, boundary = (s + 1, s) if a.kind == "SEND_F" else (s - 1, s - 1)
             link = (a.kind, boundary)
-            start = max(t, self.link_free.get(link, 0.0))
-            self.link_free[link] = self.arrival[(a.kind[-1], to, m)] = start + self.comm[boundary]
+            start = max(end, self.link_free.get(link, 0.0))
+            self.link_free[link] = start + self.comm[boundary]
+            self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + self.messages.get(
+                "DELAY" + a.kind[-2:], 0.0
+            )
         self.spans[s].append(Span(a.kind, a.microbatch, t, end))
         self.clock[s] = end
