@@ -11,10 +11,19 @@ their receives are posted as soon as the activation leaves, overlapping with com
 Tags keep the streams apart: one pair of neighbouring ranks carries activations one way and
 gradients the other; within a stream messages match in order (FIFO), and the tag also carries
 the micro-batch index so a mismatch fails loudly instead of silently pairing wrong tensors.
+
+Arrivals: Varuna's schedule pulls a forward ahead when the awaited gradient has not arrived, so
+the runtime must learn that a message arrived without blocking on it. gloo's work objects report
+completion only once waited for (`is_completed()` stays False until `wait()`), so on CPU a
+`_Watcher` thread per direction waits for the posted receives in posting order (the order they
+arrive in) and flags each arrival; on CUDA, NCCL's `is_completed()` tells directly.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -91,9 +100,64 @@ def _floating(t: torch.Tensor) -> bool:
 
 
 @dataclass(slots=True)
+class _Arrival:
+    """Set by a `_Watcher` once every work of one message is complete (or one failed: `error`)."""
+
+    done: threading.Event
+    error: BaseException | None = None
+
+
+class _Watcher:
+    """A daemon thread waiting for posted receives in posting order, flagging each arrival."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[list[Any], _Arrival] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def watch(self, works: list[Any]) -> _Arrival:
+        arrival = _Arrival(threading.Event())
+        self._queue.put((works, arrival))
+        return arrival
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            works, arrival = item
+            try:
+                for w in works:
+                    w.wait()  # releases the GIL while it blocks
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for it
+                arrival.error = exc
+            arrival.done.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+@dataclass(slots=True)
 class _Pending:
-    work: Any
+    works: list[Any]
     buffers: list[torch.Tensor]
+    arrival: _Arrival | None = None
+
+    def ready(self) -> bool:
+        if self.arrival is not None:
+            return self.arrival.done.is_set()
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        if self.arrival is None:
+            for w in self.works:
+                w.wait()
+            return
+        self.arrival.done.wait()
+        if self.arrival.error is not None:
+            raise self.arrival.error
+
+
+def _watching(device: torch.device) -> bool:
+    """Whether receives need a `_Watcher` to report arrivals: on CPU (gloo), unless turned off."""
+    return device.type == "cpu" and os.environ.get("VARUNA_P2P_WATCH", "0") != "0"
 
 
 class P2P:
@@ -107,6 +171,9 @@ class P2P:
         self.prev = prev_rank
         self.next = next_rank
         self.device = device
+        watch = _watching(device)
+        self._from_prev = _Watcher("varuna-p2p-from-prev") if watch and prev_rank is not None else None
+        self._from_next = _Watcher("varuna-p2p-from-next") if watch and next_rank is not None else None
         self._headers: dict[int, _Pending] = {}
         self._grads: dict[int, _Pending] = {}
         self._sends: list[Any] = []
@@ -119,18 +186,21 @@ class P2P:
         """Start receiving micro-batch `mb`'s header early, so waiting later costs nothing."""
         assert self.prev is not None
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._headers[mb] = _Pending(dist.irecv(buf, self.prev, tag=mb * _SLOTS), [buf])
+        works = [dist.irecv(buf, self.prev, tag=mb * _SLOTS)]
+        arrival = self._from_prev.watch(works) if self._from_prev is not None else None
+        self._headers[mb] = _Pending(works, [buf], arrival)
 
     def activation_ready(self, mb: int) -> bool:
+        """Whether micro-batch `mb`'s activation has arrived (its header; the data follows it)."""
         pending = self._headers.get(mb)
-        return pending is not None and pending.work.is_completed()
+        return pending is not None and pending.ready()
 
     def recv_activation(self, mb: int) -> Value:
         if mb not in self._headers:
             self.post_activation_header(mb)
         pending = self._headers.pop(mb)
         t0 = time.perf_counter()
-        pending.work.wait()
+        pending.wait()
         t1 = time.perf_counter()
         specs, is_tuple = decode_header(pending.buffers[0])
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
@@ -158,19 +228,20 @@ class P2P:
             self.bytes_sent += t.numel() * t.element_size()
         grads = [torch.empty_like(t) for t in tensors if _floating(t)]
         works = [dist.irecv(g, self.next, tag=mb * _SLOTS + 32 + i) for i, g in enumerate(grads)]
-        self._grads[mb] = _Pending(works, grads)
+        arrival = self._from_next.watch(works) if self._from_next is not None and works else None
+        self._grads[mb] = _Pending(works, grads, arrival)
         self.comm_s += time.perf_counter() - t0
 
     # gradients ---------------------------------------------------------------------------------
     def grad_ready(self, mb: int) -> bool:
+        """Whether every gradient of micro-batch `mb`'s output has arrived."""
         pending = self._grads.get(mb)
-        return pending is not None and all(w.is_completed() for w in pending.work)
+        return pending is not None and pending.ready()
 
     def recv_grad(self, mb: int) -> list[torch.Tensor]:
         pending = self._grads.pop(mb)
         t0 = time.perf_counter()
-        for w in pending.work:
-            w.wait()
+        pending.wait()
         self.idle_s += time.perf_counter() - t0
         return pending.buffers
 
@@ -193,6 +264,12 @@ class P2P:
             work.wait()
         self._sends.clear()
         self.comm_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the watcher threads (after the last step; they hold nothing then)."""
+        for watcher in (self._from_prev, self._from_next):
+            if watcher is not None:
+                watcher.close()
 
 
 class GradBuckets:

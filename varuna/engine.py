@@ -651,6 +651,7 @@ class Varuna:
 
     def close(self) -> None:
         """Release this engine's process groups (the default group stays for the next engine)."""
+        self._p2p.close()
         groups = [self._dp_group] if self._dp_group is not None else []
         groups += [pg for _, pg, _ in self._tied_groups if pg is not None]
         for pg in groups:
