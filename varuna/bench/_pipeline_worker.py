@@ -133,34 +133,45 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+class _VarunaRunner:
+    """One Varuna engine of the spec's model at one schedule; `step(batch)` returns the loss."""
+
+    def __init__(self, spec: dict[str, Any], schedule: str, example: dict[str, Tensor]) -> None:
+        from varuna import Varuna
+
+        self.engine = Varuna(
+            _model(spec["model"]),
+            pipeline=spec["pipeline"],
+            data=1,
+            global_batch_size=spec["global_batch_size"],
+            micro_batch_size=spec["micro_batch_size"],
+            schedule=schedule,
+            example_batch=example,
+            partition=spec.get("partition", "balanced"),
+            run_dir=spec["run_dir"],  # shares the segment profile (and so the partition) across schedules
+        )
+        self.engine.set_optimizer(torch.optim.AdamW(self.engine.parameters(), lr=LR))
+
+    def step(self, batch: dict[str, Tensor]) -> float | None:
+        return self.engine.step(batch)
+
+
 def run_varuna(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.distributed as dist
-
-    from varuna import Varuna
 
     batches = _batches(spec)
     P = spec["pipeline"]
     results = []
     for schedule in spec["schedules"]:
-        engine = Varuna(
-            _model(spec["model"]),
-            pipeline=P,
-            data=1,
-            global_batch_size=spec["global_batch_size"],
-            micro_batch_size=spec["micro_batch_size"],
-            schedule=schedule,
-            example_batch=batches[0],
-            partition=spec.get("partition", "balanced"),
-            run_dir=spec["run_dir"],  # shares the segment profile (and so the partition) across schedules
-        )
-        engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR))
+        runner = _VarunaRunner(spec, schedule, batches[0])
+        engine = runner.engine
         if engine.rank == 0:
             _log(f"varuna P={P} {schedule}: boundaries {list(engine.partition.boundaries)}")
         clock, losses = _Clock(), []
         for batch in batches:
             dist.barrier()
             clock.start()
-            losses.append(engine.step(batch))
+            losses.append(runner.step(batch))
             clock.stop()
         timed = engine.history[spec["warmup"] :]
         mine = {
@@ -241,43 +252,60 @@ def _lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class _TorchRunner:
+    """One torch.distributed.pipelining stage of the spec's model (at the spec's boundaries) and
+    schedule, with its own AdamW; `step(batch)` returns the mean loss on the last stage."""
+
+    def __init__(self, spec: dict[str, Any], name: str) -> None:
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.rank, P = dist.get_rank(), dist.get_world_size()
+        if P != spec["pipeline"]:
+            raise RuntimeError(
+                f"torch.pipelining job has {P} ranks but the spec says pipeline={spec['pipeline']}"
+            )
+        self.last = self.rank == P - 1
+        units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
+        gpt = _model(spec["model"])
+        self.module = _Stage(
+            gpt, _stage_units(spec["boundaries"], self.rank, units), first=self.rank == 0, last=self.last
+        )
+        del gpt
+        stage = PipelineStage(self.module, self.rank, P, torch.device("cpu"))
+        M = spec["global_batch_size"] // spec["micro_batch_size"]
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+        self.schedule = kind(stage, n_microbatches=M, loss_fn=_lm_loss)
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
+
+    def step(self, batch: dict[str, Tensor]) -> float | None:
+        mb_losses: list[Tensor] = []
+        self.opt.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            self.schedule.step(batch["input_ids"])
+        elif self.last:
+            self.schedule.step(target=batch["labels"], losses=mb_losses, return_outputs=False)
+        else:
+            self.schedule.step()
+        self.opt.step()
+        return float(torch.stack(mb_losses).detach().mean()) if mb_losses else None
+
+
 def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     rank, P = dist.get_rank(), dist.get_world_size()
-    if P != spec["pipeline"]:
-        raise RuntimeError(
-            f"torch.pipelining job has {P} ranks but the spec says pipeline={spec['pipeline']}"
-        )
     batches = _batches(spec)
     M = spec["global_batch_size"] // spec["micro_batch_size"]
-    bounds = spec["boundaries"]
-    units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
     results = []
     for name in spec["schedules"]:
-        gpt = _model(spec["model"])
-        submod = _Stage(gpt, _stage_units(bounds, rank, units), first=rank == 0, last=rank == P - 1)
-        del gpt
-        stage = PipelineStage(submod, rank, P, torch.device("cpu"))
-        schedule = schedules[name](stage, n_microbatches=M, loss_fn=_lm_loss)
-        opt = torch.optim.AdamW(submod.parameters(), lr=LR)
+        runner = _TorchRunner(spec, name)
         clock, losses = _Clock(), []
         for batch in batches:
-            mb_losses: list[Tensor] = []
             dist.barrier()
             clock.start()
-            opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                schedule.step(batch["input_ids"])
-            elif rank == P - 1:
-                schedule.step(target=batch["labels"], losses=mb_losses, return_outputs=False)
-            else:
-                schedule.step()
-            opt.step()
+            losses.append(runner.step(batch))
             clock.stop()
-            losses.append(float(torch.stack(mb_losses).detach().mean()) if mb_losses else None)
         every = _gather({"step_s": clock.wall, "cpu_s": clock.cpu, "losses": losses})
         slowest = [max(r["step_s"][i] for r in every) for i in range(len(batches))]
         results.append(
@@ -287,7 +315,7 @@ def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "pipeline": P,
                 "microbatches": M,
                 **_summary(slowest, [r["cpu_s"] for r in every], spec),
-                "boundaries": bounds,
+                "boundaries": spec["boundaries"],
                 "first_loss": every[-1]["losses"][0],
             }
         )
@@ -296,9 +324,78 @@ def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return results
 
 
+# -------------------------------------------------------------------------------------------- paired
+
+
+def run_paired(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Varuna and torch.pipelining in the same ranks, same schedule, alternating step by step.
+
+    This host's speed drifts by tens of percent over minutes, so two jobs a minute apart compare the
+    host as much as the systems. Here step k of one system and step k of the other run back to
+    back (the first of each pair alternating), on the same processes, weights and batches; each
+    pair's ratio cancels the drift, and their median is the comparison.
+    """
+    import torch.distributed as dist
+
+    batches = _batches(spec)
+    P, rank = spec["pipeline"], dist.get_rank()
+    results = []
+    for name in spec["schedules"]:
+        ours = _VarunaRunner(spec, name, batches[0])
+        systems: dict[str, _VarunaRunner | _TorchRunner] = {
+            "varuna": ours,
+            "torch.pipelining": _TorchRunner(spec, name),
+        }
+        clocks = {k: _Clock() for k in systems}
+        losses: dict[str, list[float | None]] = {k: [] for k in systems}
+        for k, batch in enumerate(batches):
+            order = list(systems) if k % 2 == 0 else list(reversed(systems))
+            for system in order:
+                dist.barrier()
+                clocks[system].start()
+                losses[system].append(systems[system].step(batch))
+                clocks[system].stop()
+        ours.engine.close()
+        every = _gather(
+            {k: {"step_s": c.wall, "cpu_s": c.cpu, "losses": losses[k]} for k, c in clocks.items()}
+        )
+        slowest = {k: [max(r[k]["step_s"][i] for r in every) for i in range(len(batches))] for k in systems}
+        first_losses = {
+            k: next(r[k]["losses"][0] for r in every if r[k]["losses"][0] is not None) for k in systems
+        }
+        M = spec["global_batch_size"] // spec["micro_batch_size"]
+        w = spec["warmup"]
+        pairs = [t / v for t, v in zip(slowest["torch.pipelining"][w:], slowest["varuna"][w:])]
+        for system in systems:
+            results.append(
+                {
+                    "system": system,
+                    "schedule": name,
+                    "pipeline": P,
+                    "microbatches": M,
+                    **_summary(slowest[system], [r[system]["cpu_s"] for r in every], spec),
+                    "boundaries": spec["boundaries"],
+                    "first_loss": first_losses[system],
+                    "paired": True,
+                    "pair_ratios": [round(x, 4) for x in pairs],
+                }
+            )
+        if rank == 0:
+            _log(
+                f"paired P={P} {name}: varuna {results[-2]['samples_per_s']:.2f}, torch.pipelining "
+                f"{results[-1]['samples_per_s']:.2f} samples/s; median pair ratio {statistics.median(pairs):.3f}"
+            )
+    return results
+
+
 # ------------------------------------------------------------------------------------------ driver
 
-SYSTEMS = {"single": run_single, "varuna": run_varuna, "torch.pipelining": run_torch_pipelining}
+SYSTEMS = {
+    "single": run_single,
+    "varuna": run_varuna,
+    "torch.pipelining": run_torch_pipelining,
+    "paired": run_paired,
+}
 
 
 def main(argv: list[str]) -> None:

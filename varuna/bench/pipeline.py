@@ -21,7 +21,11 @@ with AdamW and one torch thread per rank:
 A step is timed from a barrier to the end of the optimizer step, on every rank; its time is the
 slowest rank's. samples/s = global batch / median timed step. Processes are reused: one job runs
 every Varuna schedule of one P, one job every torch.pipelining schedule of one P; rank 0 writes
-the job's results as JSON into a temporary folder that this module collects.
+the job's results as JSON into a temporary folder that this module collects. At the smallest P
+(the comparison the targets are about) the two systems instead run in one job, alternating step
+by step at the same schedule (`paired`): this host's speed drifts by tens of percent over minutes,
+and each pair's ratio cancels that; `paired_varuna_over_torch_pipelining` gives the median pair
+ratio (torch step / Varuna step: above 1, Varuna is faster) with a 90% bootstrap interval.
 
 `ratios` compares like with like at each P: varuna / torch.pipelining for the same schedule, and
 each pipeline's samples/s over its bubble-limited ideal M / (M + P - 1) * P * single. A P larger
@@ -34,8 +38,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,15 +81,15 @@ class PipelineBench:
     """Untimed steps before the timed ones (per configuration)."""
     steps: int = 5
     """Timed steps per configuration; samples/s uses their median."""
-    rounds: int = 2
-    """Rounds of the jobs at the smallest P (the comparison the targets are about), Varuna and
-    torch.pipelining interleaved; each configuration reports its best round (the least disturbed by
-    other load on a shared machine). Larger P run once."""
+    paired_steps: int = 12
+    """At the smallest P (the comparison the targets are about), timed steps of each system in the
+    paired job: Varuna and torch.pipelining in the same ranks, alternating step by step (see
+    `_pipeline_worker.run_paired`), so the host's drift cancels in each pair's ratio."""
     job_timeout_s: float = 240.0
     """A job (one system at one P, all its schedules) that runs longer fails, naming its config."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "micro_batch_size", "steps"):
+        for name in ("global_batch_size", "micro_batch_size", "steps", "paired_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PipelineBench.{name} must be a positive integer (got {value!r})")
@@ -131,6 +137,7 @@ def quick() -> PipelineBench:
         pipelines=(3,),
         warmup=1,
         steps=2,
+        paired_steps=2,
         job_timeout_s=120.0,
     )
 
@@ -242,6 +249,24 @@ def _ratios(results: list[dict[str, Any]], rate: str) -> dict[str, Any]:
     }
 
 
+def paired_ratios(results: list[dict[str, Any]], resamples: int = 2000) -> dict[str, Any]:
+    """From the paired job: per P and schedule, the median over step pairs of torch.pipelining's step
+    time over Varuna's (> 1: Varuna faster) with a 90% bootstrap interval (pairs resampled, fixed seed)."""
+    rng = random.Random(0)
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        pairs = r.get("pair_ratios")
+        if r["system"] != "varuna" or not pairs:
+            continue
+        medians = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(resamples))
+        out.setdefault(f"P{r['pipeline']}", {})[r["schedule"]] = {
+            "median": round(statistics.median(pairs), 4),
+            "ci90": [round(medians[int(0.05 * resamples)], 4), round(medians[int(0.95 * resamples) - 1], 4)],
+            "pairs": len(pairs),
+        }
+    return out
+
+
 def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, Any]:
     """varuna / torch.pipelining per (P, schedule), and every pipeline's share of its bubble-limited ideal.
 
@@ -251,6 +276,7 @@ def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, 
     pipelines = sorted({r["pipeline"] for r in results if r["system"] != "single"})
     return {
         **_ratios(results, "samples_per_s"),
+        "paired_varuna_over_torch_pipelining": paired_ratios(results),
         "from_best_step": _ratios(results, "best_samples_per_s"),
         "oversubscribed": {f"P{P}": P > host_cores for P in pipelines},
     }
@@ -283,25 +309,18 @@ def format_table(report: dict[str, Any]) -> str:
         flag = " (oversubscribed)" if report["ratios"]["oversubscribed"].get(key) else ""
         pairs = ", ".join(f"{s} {v:.2f} (best steps {best[key][s]:.2f})" for s, v in per.items())
         lines.append(f"varuna / torch.pipelining at {key}{flag}: {pairs}")
+    for key, per in report["ratios"]["paired_varuna_over_torch_pipelining"].items():
+        pairs = ", ".join(
+            f"{s} {v['median']:.3f} (90% interval {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f}, {v['pairs']} pairs)"
+            for s, v in per.items()
+        )
+        lines.append(f"paired, torch step / varuna step at {key}: {pairs}")
     lines.append(f"wall time {report['wall_s']:.0f} s")
     return "\n".join(lines)
 
 
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def _best_of(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per configuration, the round with the highest samples/s, listing every round's figure."""
-    best: dict[tuple[Any, ...], dict[str, Any]] = {}
-    seen: dict[tuple[Any, ...], list[float]] = {}
-    for results in rounds:
-        for r in results:
-            key = (r["system"], r["schedule"], r["pipeline"])
-            seen.setdefault(key, []).append(round(r["samples_per_s"], 3))
-            if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
-                best[key] = r
-    return [best[k] | {"rounds_samples_per_s": seen[k]} for k in best]
 
 
 def run(bench: PipelineBench) -> dict[str, Any]:
@@ -317,20 +336,20 @@ def run(bench: PipelineBench) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="varuna-bench-"))
     results += _job(bench, tmp, "single", 1, ())
     for P in bench.pipelines:
-        bounds = None
-        rounds: list[list[dict[str, Any]]] = []
-        for _ in range(bench.rounds if P == min(bench.pipelines) else 1):  # the 5-minute budget
-            # the same boundaries in every round and for both systems, so rounds differ only by noise
-            fixed: dict[str, Any] = {} if bounds is None else {"partition": bounds}
-            mine = _job(bench, tmp, "varuna", P, bench.varuna_schedules, **fixed)
-            bounds = mine[0]["boundaries"]
-            theirs = (
-                _job(bench, tmp, "torch.pipelining", P, bench.torch_schedules, boundaries=bounds)
-                if bench.torch_schedules
-                else []
+        mine = _job(bench, tmp, "varuna", P, bench.varuna_schedules)
+        bounds = mine[0]["boundaries"]  # both systems run at the boundaries Varuna chose
+        both = tuple(s for s in bench.varuna_schedules if s in bench.torch_schedules)
+        if P == min(bench.pipelines) and both:
+            paired = _job(
+                bench, tmp, "paired", P, both, partition=bounds, boundaries=bounds, steps=bench.paired_steps
             )
-            rounds.append(mine + theirs)
-        results += _best_of(rounds)
+            results += [r for r in mine if r["schedule"] not in both] + paired
+        elif bench.torch_schedules:
+            results += mine + _job(
+                bench, tmp, "torch.pipelining", P, bench.torch_schedules, boundaries=bounds
+            )
+        else:
+            results += mine
     shutil.rmtree(tmp, ignore_errors=True)  # kept when a job fails: its log is named in the error
     host_cores = os.cpu_count() or 1
     losses = [r["first_loss"] for r in results]
@@ -346,7 +365,7 @@ def run(bench: PipelineBench) -> dict[str, Any]:
             "host_cores": host_cores,
             "warmup_steps": bench.warmup,
             "timed_steps": bench.steps,
-            "rounds": bench.rounds,
+            "paired_steps": bench.paired_steps,
             "optimizer": "AdamW",
             "single_mode": "micro-batched: forward+backward per micro-batch, gradients accumulated",
             "torch_pipelining_head": "untied copy of the token embedding on the last stage",
