@@ -170,3 +170,20 @@ def test_message_costs_and_the_arrival_report_round_trip(tmp_path: Path) -> None
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, message_s={"SEND_X": 1.0})
     with pytest.raises(ConfigError, match=r"message_s\['RECV_F'\] = -1.0"):
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, message_s={"RECV_F": -1.0})
+
+
+def test_delivery_delays_round_trip_and_fall_back_to_the_fixed_delay(tmp_path: Path) -> None:
+    delivery = {1: {"F": 1e-3, "B": 2e-4}, 3: {"F": 7e-3, "B": 3e-3}}
+    net = NetworkCost(
+        p2p_latency_s=1e-4, p2p_bandwidth_Bps=1e9, delivery_s=delivery, message_s={"DELAY_F": 9.0}
+    )
+    assert CostTable.load(table(network=net).save(tmp_path / "profile.json")).network == net
+    assert net.delivery_delay("F", 1) == 1e-3 and net.delivery_delay("B", 3) == 3e-3
+    assert net.delivery_delay("F", 2) == pytest.approx(4e-3)  # interpolated in the busy count
+    assert net.delivery_delay("F", 8) == 7e-3  # beyond the largest count measured: that one's
+    fixed = NetworkCost(p2p_latency_s=1e-4, p2p_bandwidth_Bps=1e9, message_s={"DELAY_F": 9.0})
+    assert fixed.delivery_delay("F", 3) == 9.0 and fixed.delivery_delay("B", 3) == 0.0
+    with pytest.raises(ConfigError, match=r"delivery_s\[0\] = .*give busy-rank counts >= 1"):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, delivery_s={0: {"F": 0.0, "B": 0.0}})
+    with pytest.raises(ConfigError, match=r"delivery_s\[1\] = \{'F': 0.0\}"):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, delivery_s={1: {"F": 0.0}})

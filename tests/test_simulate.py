@@ -89,6 +89,19 @@ def test_message_costs_occupy_the_stages_and_delay_the_activation() -> None:
     assert simulate("gpipe", 2, 1, [U, U], comm=[0.5], message_s={}).step_s == 7.0
 
 
+def test_delivery_waits_longer_while_more_ranks_compute() -> None:
+    delivery = {1: {"F": 0.5, "B": 0.25}, 2: {"F": 1.0, "B": 1.0}}
+    t = simulate("gpipe", 2, 2, [U, U], sharing=Sharing(delivery=delivery))
+    # F0 leaves at 1 with stage 1 idle (n = 1): there at 1.5; F1 leaves at 2 while stage 1 runs F0
+    # (n = 2): there at 3; B0 leaves at 6 with stage 0 waiting: 6.25; B1 at 8 while stage 0 runs B0: 9
+    assert compute(t.spans[1]) == [("F0", 1.5, 2.5), ("F1", 3.0, 4.0), ("B0", 4.0, 6.0), ("B1", 6.0, 8.0)]
+    assert compute(t.spans[0])[2:] == [("B0", 6.25, 8.25), ("B1", 9.0, 11.0)]
+    assert t.step_s == 11.0
+    # a measured delivery table replaces the fixed DELAY_F / DELAY_B
+    fixed = {"DELAY_F": 5.0, "DELAY_B": 5.0}
+    assert simulate("gpipe", 2, 2, [U, U], sharing=Sharing(delivery=delivery), message_s=fixed).step_s == 11.0
+
+
 def test_a_transport_that_never_reports_arrival_steers_the_pull_ahead() -> None:
     kw = {"recompute": False}
     # gloo: the runtime's readiness check always says "not there": stage 0 pulls every forward

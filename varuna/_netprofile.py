@@ -12,9 +12,11 @@ Collective: every rank of the job calls `profile_network()`; all get the same `N
 from __future__ import annotations
 
 import functools
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,6 +165,73 @@ def _messages(
     return costs, reported_any > 0
 
 
+def _delivery(
+    rank: int, world: int, device: torch.device, nbytes: int, repeats: int, transfer_s: float
+) -> dict[int, dict[str, float]]:
+    """n -> {"F": s, "B": s}: how much later than `transfer_s` an activation (F) or a gradient (B)
+    sent by the runtime's own code (`varuna.comm.P2P`) reaches a stage waiting for it while n ranks
+    compute (the sender, which goes on computing as a stage does after a send, and n - 1 others),
+    for n = 1 .. world - 1; {} when ranks 0 and 1 are on different hosts.
+
+    On a host with fewer cores than busy ranks this is the scheduler's doing, not the wire's: an
+    activation's data is sent only once the receiver has read its header and asked for it, which
+    needs a thread of the computing sender to get a core, and the waiting rank needs one to wake
+    up; seen here at 4 ranks on 2 cores, 2-7 ms per activation where the idle round trip says 0.6.
+    The sender stamps the value with its clock and the receiver reads the stamp when the value is
+    in, so both must share a monotonic clock: ranks on one host.
+    """
+    from varuna.comm import P2P
+
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    if hosts[0] != hosts[1] or world < 2:
+        return {}
+    out = torch.zeros(max(world - 1, 1), 2, dtype=torch.float64, device=device)
+    p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device) if rank == 1 else None
+    work = torch.randn(64, 64, device=device)
+    stamp = torch.zeros(max(nbytes // 8, 1), dtype=torch.float64, device=device)
+    m = 0
+    for n in range(1, world):
+        samples: list[list[float]] = [[], []]
+        for rep in range(repeats + 1):
+            m += 1
+            if rank == 1:
+                p2p.post_activation_header(m)  # type: ignore[union-attr]
+            dist.barrier()
+            if rank == 0:
+                assert p2p is not None
+                _busy(0.002, work)
+                stamp[0] = time.perf_counter()
+                p2p.send_activation(m, stamp)
+                _busy(0.001, work)
+                grad = p2p.recv_grad(m)[0]
+                if rep:
+                    samples[1].append(time.perf_counter() - float(grad[0]))
+            elif rank == 1:
+                assert p2p is not None
+                value = p2p.recv_activation(m)
+                if rep:
+                    samples[0].append(time.perf_counter() - float(value.detach()[0]))
+                _busy(0.005, work)
+                value.grad = torch.zeros_like(value)
+                value.grad[0] = time.perf_counter()
+                p2p.send_grad(m, value)
+                _busy(0.010, work)
+            elif rank <= n:
+                _busy(0.025, work)
+        if rank == 0:
+            out[n - 1, 1] = statistics.median(samples[1])
+        elif rank == 1:
+            out[n - 1, 0] = statistics.median(samples[0])
+    if p2p is not None:
+        p2p.finish()
+    dist.all_reduce(out)
+    return {
+        n: {"F": max(f - transfer_s, 0.0), "B": max(b - transfer_s, 0.0)}
+        for n, (f, b) in enumerate(out.tolist(), start=1)
+    }
+
+
 def _allreduce(group_size: int, active: int, rank: int, sizes: Sequence[int], repeats: int,
                device: torch.device) -> list[tuple[int, float]]:  # fmt: skip
     """(bytes, seconds) of all-reduces in the data-parallel groups {s, s+P, s+2P, ...}, P = active/g,
@@ -226,6 +295,7 @@ def profile_network(
     latency, bandwidth = _p2p(rank, device, p2p_bytes, repeats)
     transfer = latency + MESSAGE_BYTES / bandwidth
     messages, reports_arrival = _messages(rank, device, MESSAGE_BYTES, 10 * repeats, transfer)
+    delivery = _delivery(rank, world, device, MESSAGE_BYTES, 3 * repeats, transfer)
     curves = {g: _allreduce(g, world, rank, sizes, repeats, device) for g in wanted}
     by_world = {world: dict(curves)}
     if group_sizes is None:
@@ -240,4 +310,5 @@ def profile_network(
         allreduce_by_world=by_world,
         message_s=messages,
         reports_arrival=reports_arrival,
+        delivery_s=delivery,
     )

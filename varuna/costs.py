@@ -181,6 +181,12 @@ class NetworkCost:
     keeps the receiving stage busy once the message is there (an activation's data is fetched
     only after its header is read), DELAY_F / DELAY_B -> seconds later than `p2p_time` a value
     reaches a stage that waits for it. {} (or a missing kind) means unmeasured: 0."""
+    delivery_s: dict[int, dict[str, float]] = field(default_factory=dict)
+    """n busy ranks -> {"F": s, "B": s}: how much later than `p2p_time` an activation (F) or a
+    gradient (B) reaches a stage waiting for it while n ranks of the host compute, the sender
+    among them (measured with the runtime's own transfer code on one host; {} when unmeasured,
+    e.g. ranks 0 and 1 on different hosts: then DELAY_F / DELAY_B of `message_s` apply). On a
+    host with fewer cores than busy ranks the scheduler, not the wire, sets it."""
     reports_arrival: bool = True
     """Whether a posted receive says "completed" once its message is there, before it is waited
     for. The runtime's pull-ahead (Varuna's schedule) asks exactly that; gloo's receives say
@@ -206,12 +212,31 @@ class NetworkCost:
                         f"integer >= 2 dividing the world size {world}"
                     )
                 curves[group] = _check_points(points, f"NetworkCost.allreduce_by_world[{world}][{group}]")
+        for n, delays in self.delivery_s.items():
+            if (
+                not isinstance(n, int)
+                or n < 1
+                or set(delays) != {"F", "B"}
+                or not all(math.isfinite(v) and v >= 0 for v in delays.values())
+            ):
+                raise ConfigError(
+                    f"NetworkCost.delivery_s[{n!r}] = {delays!r}; give busy-rank counts >= 1 with "
+                    '{"F": seconds >= 0, "B": seconds >= 0}'
+                )
         for kind, seconds in self.message_s.items():
             if kind not in MESSAGE_KINDS or not math.isfinite(seconds) or seconds < 0:
                 raise ConfigError(
                     f"NetworkCost.message_s[{kind!r}] = {seconds!r}; give seconds >= 0 for the kinds "
                     f"{', '.join(MESSAGE_KINDS)}"
                 )
+
+    def delivery_delay(self, kind: str, busy: int) -> float:
+        """Seconds an activation (`kind` "F") or gradient ("B") arrives later than `p2p_time`
+        while `busy` ranks compute: `delivery_s` interpolated in the busy count (the largest
+        measured count beyond it), else DELAY_F / DELAY_B of `message_s`, else 0."""
+        if not self.delivery_s:
+            return self.message_s.get("DELAY_" + kind, 0.0)
+        return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery_s.items()}, busy, one=None)
 
     def p2p_time(self, nbytes: int) -> float:
         """Seconds to move `nbytes` between neighbouring stages: latency + bytes / bandwidth."""
@@ -252,6 +277,7 @@ class NetworkCost:
             },
             "message_s": dict(self.message_s),
             "reports_arrival": self.reports_arrival,
+            "delivery_s": {str(n): dict(d) for n, d in sorted(self.delivery_s.items())},
         }
 
     @classmethod
@@ -270,6 +296,10 @@ class NetworkCost:
             },
             message_s={str(k): float(v) for k, v in data.get("message_s", {}).items()},
             reports_arrival=bool(data.get("reports_arrival", True)),
+            delivery_s={
+                n: {str(k): float(v) for k, v in d.items()}
+                for n, d in _int_keys(data.get("delivery_s", {}), "delivery_s").items()
+            },
         )
 
 
@@ -347,18 +377,23 @@ class CostTable:
         return self.slowdown_of(self.compute_slowdown, busy)
 
     @staticmethod
-    def slowdown_of(table: Mapping[int, float], busy: int) -> float:
-        """`slowdown` for any table of measured factors."""
-        if busy <= 1 or not table:
-            return 1.0
+    def slowdown_of(table: Mapping[int, float], busy: int, one: float | None = 1.0) -> float:
+        """`slowdown` for any table of measured values per busy count; `one` is the value at one
+        busy rank and below when the table lacks it (None: the smallest measured count's)."""
+        if not table:
+            return 1.0 if one is None else one
+        if one is not None and busy <= 1:
+            return one
         if busy in table:
             return table[busy]
         below = [n for n in table if n < busy]
         above = [n for n in table if n > busy]
         if not above:
             return table[max(table)]
+        if not below and one is None:
+            return table[min(above)]
         lo, hi = (max(below), min(above)) if below else (1, min(above))
-        f_lo = table.get(lo, 1.0)
+        f_lo = table.get(lo, 1.0 if one is None else one)
         return f_lo + (table[hi] - f_lo) * (busy - lo) / (hi - lo)
 
     @property

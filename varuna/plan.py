@@ -473,7 +473,9 @@ def _evaluate(
         allreduce_s=reduce,
         final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, world, world=world),
         update_s=update,
-        sharing=Sharing(replicas=data, slowdown=table.compute_slowdown) if table.compute_slowdown else None,
+        sharing=Sharing(replicas=data, slowdown=table.compute_slowdown, delivery=net.delivery_s)
+        if table.compute_slowdown or net.delivery_s
+        else None,
         message_s=net.message_s,
         sees_arrivals=net.reports_arrival,
         recompute=recompute,

@@ -35,11 +35,14 @@ overlaps on the durations, so the simulation repeats, each pass timing every act
 previous pass's overlaps, until no duration changes (a fixed point; smaller steps towards the new
 durations if they start swinging between two overlaps). The
 parameter updates all start together after the final all-reduce and share the cores the same way.
+With `Sharing.delivery`, a value sent while n ranks compute (the sender counted busy, the others
+as in the previous pass) arrives `delivery[n]` later than its transfer time: on an oversubscribed
+host a waiting stage and the sender's transfer thread wait for a core too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,14 +85,25 @@ class Sharing:
     """D: replicas running the same schedule at the same time (each busy stage counts D times)."""
     slowdown: Mapping[int, float] = field(default_factory=dict)
     """n busy ranks -> compute-time factor (`CostTable.compute_slowdown`); missing n interpolate."""
+    delivery: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    """n busy ranks -> {"F": s, "B": s}, how much later than the transfer time an activation or a
+    gradient reaches a waiting stage while n ranks compute, the sender among them
+    (`NetworkCost.delivery_s`); {} means the fixed DELAY_F / DELAY_B of `message_s`."""
 
     def factor(self, busy: int) -> float:
         """The compute-time factor with `busy` ranks computing at once (>= 1 means slower)."""
         return CostTable.slowdown_of(self.slowdown, busy)
 
+    def delay(self, kind: str, busy: int) -> float:
+        """The delivery delay of a value of `kind` ("F" or "B") sent while `busy` ranks compute."""
+        return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery.items()}, busy, one=None)
+
     def matters(self, num_stages: int) -> bool:
-        """Whether any reachable busy count changes a duration."""
-        return any(self.factor(self.replicas * k) != 1.0 for k in range(1, num_stages + 1))
+        """Whether any reachable busy count changes a duration or a delivery."""
+        counts = [self.replicas * k for k in range(1, num_stages + 1)]
+        return any(self.factor(n) != 1.0 for n in counts) or (
+            num_stages > 1 and len({(self.delay("F", n), self.delay("B", n)) for n in counts}) > 1
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,11 +252,22 @@ def simulate_lowered(
     shared = sharing is not None and sharing.matters(num_stages)
     durations: dict[tuple[int, str, int], float] = {}
     change, step = float("inf"), 1.0
+    delay = None
+    if sharing is not None and sharing.delivery:
+        messages = {k: v for k, v in messages.items() if not k.startswith("DELAY")}
+        delay = _Delays(sharing, None)
+    previous_delays: list[float] | None = None
     for _ in range(_MAX_PASSES if shared else 1):
         sim = _Simulation(
-            schedule, stage_costs, comm_s, reduce_s, opportunistic, durations, messages, sees_arrivals
+            schedule, stage_costs, comm_s, reduce_s, opportunistic, durations, messages, sees_arrivals, delay
         )
         sim.run()
+        moved = False
+        if delay is not None:
+            assert sharing is not None
+            used, delay = delay.used, _Delays(sharing, sim.spans)
+            moved = used != previous_delays
+            previous_delays = used
         if not shared:
             break
         assert sharing is not None
@@ -254,9 +279,11 @@ def simulate_lowered(
                 for k, d in stretched.items()
             ),
         )
-        if change <= _SETTLED:
+        if change <= _SETTLED and not moved:
             break
-        if change >= last:  # not shrinking: swinging between two overlaps; take smaller steps
+        if (
+            change >= last and change > _SETTLED
+        ):  # not shrinking: swinging between two overlaps; take smaller steps
             step = max(step / 2, 0.125)
         durations = {k: durations.get(k, d) + step * (d - durations.get(k, d)) for k, d in stretched.items()}
     update_end = _shared_updates(updates, sharing) if shared and sharing is not None else updates
@@ -278,6 +305,24 @@ def simulate_lowered(
         peak_inflight=[_peak_inflight(spans) for spans in sim.spans],
         update_s=update_end,
     )
+
+
+class _Delays:
+    """Delivery delays from the busy stages of a previous pass (none yet: the sender alone)."""
+
+    def __init__(self, sharing: Sharing, spans: list[list[Span]] | None) -> None:
+        self.sharing = sharing
+        self.busy = [
+            [(sp.start, sp.end) for sp in stage if sp.kind in COMPUTE_KINDS] for stage in spans or []
+        ]
+        self.used: list[float] = []  # every delay handed out, in order: equal in two passes = settled
+
+    def __call__(self, kind: str, sender: int, t: float) -> float:
+        others = sum(
+            any(a <= t < b for a, b in intervals) for o, intervals in enumerate(self.busy) if o != sender
+        )
+        self.used.append(self.sharing.delay(kind, self.sharing.replicas * (1 + others)))
+        return self.used[-1]
 
 
 def _stretch_all(
@@ -367,8 +412,10 @@ class _Simulation:
         durations: Mapping[tuple[int, str, int], float] | None = None,
         messages: Mapping[str, float] | None = None,
         sees_arrivals: bool = True,
+        delay: Callable[[str, int, float], float] | None = None,
     ) -> None:
         self.messages = messages or {}
+        self.delay = delay
         self.sees_arrivals = sees_arrivals
         self.queues = [list(schedule[s]) for s in range(len(schedule))]
         self.costs = costs
@@ -467,8 +514,10 @@ class _Simulation:
             link = (a.kind, boundary)
             start = max(end, self.link_free.get(link, 0.0))
             self.link_free[link] = start + self.comm[boundary]
-            self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + self.messages.get(
-                "DELAY" + a.kind[-2:], 0.0
-            )
+            if self.delay is not None:
+                extra = self.delay(a.kind[-1], s, start)
+            else:
+                extra = self.messages.get("DELAY" + a.kind[-2:], 0.0)
+            self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + extra
         self.spans[s].append(Span(a.kind, a.microbatch, t, end))
         self.clock[s] = end
