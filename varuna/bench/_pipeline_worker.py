@@ -87,29 +87,45 @@ def _summary(step_s: list[float], cpu_s: list[list[float]], spec: dict[str, Any]
 # ------------------------------------------------------------------------------------------ single
 
 
-def run_single(spec: dict[str, Any]) -> list[dict[str, Any]]:
+class _SingleRunner:
     """Plain training in one process: forward+backward per micro-batch, gradients accumulated.
 
     Same micro-batch size as the pipelines, so the per-sample compute is the same kernels on the
-    same shapes; this is the per-rank ideal the pipelines are compared against.
+    same shapes; this is the per-rank ideal the pipelines are compared against. In a job, only
+    `active` ranks run it (the others' `step` does nothing).
     """
-    model = _model(spec["model"])
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    mbs = spec["micro_batch_size"]
-    M = spec["global_batch_size"] // mbs
+
+    def __init__(self, spec: dict[str, Any], *, active: bool = True) -> None:
+        self.active = active
+        self.mbs = spec["micro_batch_size"]
+        self.M = spec["global_batch_size"] // self.mbs
+        if active:
+            self.model = _model(spec["model"])
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    def step(self, batch: dict[str, Tensor]) -> float | None:
+        if not self.active:
+            return None
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(self.M):
+            micro = {k: v[m * self.mbs : (m + 1) * self.mbs] for k, v in batch.items()}
+            loss = self.model(**micro) / self.M
+            loss.backward()
+            total += float(loss.detach())
+        self.opt.step()
+        return total
+
+
+def run_single(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """`_SingleRunner` in this one process."""
+    runner = _SingleRunner(spec)
+    M = runner.M
     clock, losses = _Clock(), []
     for batch in _batches(spec):
         clock.start()
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for m in range(M):
-            micro = {k: v[m * mbs : (m + 1) * mbs] for k, v in batch.items()}
-            loss = model(**micro) / M
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
+        losses.append(runner.step(batch))
         clock.stop()
-        losses.append(total)
     return [
         {
             "system": "single",
@@ -328,12 +344,14 @@ def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_paired(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Varuna and torch.pipelining in the same ranks, same schedule, alternating step by step.
+    """Varuna, torch.pipelining and the one-process baseline in the same job, step by step in turn.
 
     This host's speed drifts by tens of percent over minutes, so two jobs a minute apart compare the
-    host as much as the systems. Here step k of one system and step k of the other run back to
-    back (the first of each pair alternating), on the same processes, weights and batches; each
-    pair's ratio cancels the drift, and their median is the comparison.
+    host as much as the systems. Here step k of each system runs right after step k of the others
+    (the order rotating), on the same processes, weights and batches: each round's ratio cancels
+    the drift, and their median is the comparison. The baseline ("single": the whole model on
+    rank 0, the other ranks waiting at the next barrier) runs in the same rounds, so a pipeline's
+    share of its ideal compares it with the host as it was at the same time.
     """
     import torch.distributed as dist
 
@@ -341,15 +359,18 @@ def run_paired(spec: dict[str, Any]) -> list[dict[str, Any]]:
     P, rank = spec["pipeline"], dist.get_rank()
     results = []
     for name in spec["schedules"]:
+        single = _SingleRunner(spec, active=rank == 0)  # fresh weights, as every system's
         ours = _VarunaRunner(spec, name, batches[0])
-        systems: dict[str, _VarunaRunner | _TorchRunner] = {
+        systems: dict[str, _VarunaRunner | _TorchRunner | _SingleRunner] = {
             "varuna": ours,
             "torch.pipelining": _TorchRunner(spec, name),
+            "single": single,
         }
         clocks = {k: _Clock() for k in systems}
         losses: dict[str, list[float | None]] = {k: [] for k in systems}
         for k, batch in enumerate(batches):
-            order = list(systems) if k % 2 == 0 else list(reversed(systems))
+            names = list(systems)
+            order = names[k % len(names) :] + names[: k % len(names)]
             for system in order:
                 dist.barrier()
                 clocks[system].start()
@@ -366,7 +387,11 @@ def run_paired(spec: dict[str, Any]) -> list[dict[str, Any]]:
         M = spec["global_batch_size"] // spec["micro_batch_size"]
         w = spec["warmup"]
         pairs = [t / v for t, v in zip(slowest["torch.pipelining"][w:], slowest["varuna"][w:])]
-        for system in systems:
+        baseline = _summary(slowest["single"], [every[0]["single"]["cpu_s"]], spec)
+        for system in ("varuna", "torch.pipelining"):
+            ideal = [  # this round's bubble-limited ideal over this round's pipeline step
+                t * P * M / (M + P - 1) / s for s, t in zip(slowest[system][w:], slowest["single"][w:])
+            ]
             results.append(
                 {
                     "system": system,
@@ -378,12 +403,27 @@ def run_paired(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     "first_loss": first_losses[system],
                     "paired": True,
                     "pair_ratios": [round(x, 4) for x in pairs],
+                    "single_samples_per_s": baseline["samples_per_s"],
+                    "of_ideal_per_round": [round(x, 4) for x in ideal],
                 }
             )
+        results.append(
+            {
+                "system": "single",
+                "schedule": None,
+                "pipeline": 1,
+                "microbatches": M,
+                **baseline,
+                "first_loss": first_losses["single"],
+                "paired": True,
+                "paired_with": name,
+            }
+        )
         if rank == 0:
             _log(
-                f"paired P={P} {name}: varuna {results[-2]['samples_per_s']:.2f}, torch.pipelining "
-                f"{results[-1]['samples_per_s']:.2f} samples/s; median pair ratio {statistics.median(pairs):.3f}"
+                f"paired P={P} {name}: varuna {results[-3]['samples_per_s']:.2f}, torch.pipelining "
+                f"{results[-2]['samples_per_s']:.2f}, single {results[-1]['samples_per_s']:.2f} samples/s; "
+                f"median pair ratio {statistics.median(pairs):.3f}"
             )
     return results
 

@@ -24,8 +24,11 @@ every Varuna schedule of one P, one job every torch.pipelining schedule of one P
 the job's results as JSON into a temporary folder that this module collects. At the smallest P
 (the comparison the targets are about) the two systems instead run in one job, alternating step
 by step at the same schedule (`paired`): this host's speed drifts by tens of percent over minutes,
-and each pair's ratio cancels that; `paired_varuna_over_torch_pipelining` gives the median pair
-ratio (torch step / Varuna step: above 1, Varuna is faster) with a 90% bootstrap interval.
+and each pair's ratio cancels that; `paired.varuna_over_torch_pipelining` gives the median pair
+ratio (torch step / Varuna step: above 1, Varuna is faster) with a 90% bootstrap interval. The
+one-process baseline runs in the same rounds (on rank 0, the other ranks waiting), so each
+pipeline's share of its ideal is measured against the host as it was at that time
+(`paired.of_bubble_ideal`); without a paired job, a separate one-process job gives the baseline.
 
 `ratios` compares like with like at each P: varuna / torch.pipelining for the same schedule, and
 each pipeline's samples/s over its bubble-limited ideal M / (M + P - 1) * P * single. A P larger
@@ -238,7 +241,10 @@ def _ratios(results: list[dict[str, Any]], rate: str) -> dict[str, Any]:
             continue
         P, M, key = r["pipeline"], r["microbatches"], f"P{r['pipeline']}"
         ideal[key] = M / (M + P - 1) * P * single
-        of_ideal.setdefault(r["system"], {}).setdefault(key, {})[r["schedule"]] = r[rate] / ideal[key]
+        base = r.get("single_" + rate, single)  # measured in the same rounds (paired), else the single job
+        of_ideal.setdefault(r["system"], {}).setdefault(key, {})[r["schedule"]] = r[rate] / (
+            M / (M + P - 1) * P * base
+        )
         other = by.get(("torch.pipelining", r["schedule"], P))
         if r["system"] == "varuna" and other is not None:
             vs_torch.setdefault(key, {})[r["schedule"]] = r[rate] / other[rate]
@@ -250,21 +256,31 @@ def _ratios(results: list[dict[str, Any]], rate: str) -> dict[str, Any]:
 
 
 def paired_ratios(results: list[dict[str, Any]], resamples: int = 2000) -> dict[str, Any]:
-    """From the paired job: per P and schedule, the median over step pairs of torch.pipelining's step
-    time over Varuna's (> 1: Varuna faster) with a 90% bootstrap interval (pairs resampled, fixed seed)."""
+    """From the paired job: per P and schedule, the median over rounds of torch.pipelining's step time
+    over Varuna's (> 1: Varuna faster), and under "of_bubble_ideal" each pipeline's share of its
+    bubble-limited ideal M / (M + P - 1) * P * single with the single step of the same round; each
+    with a 90% bootstrap interval (rounds resampled, fixed seed)."""
     rng = random.Random(0)
-    out: dict[str, dict[str, Any]] = {}
-    for r in results:
-        pairs = r.get("pair_ratios")
-        if r["system"] != "varuna" or not pairs:
-            continue
-        medians = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(resamples))
-        out.setdefault(f"P{r['pipeline']}", {})[r["schedule"]] = {
-            "median": round(statistics.median(pairs), 4),
+
+    def summary(values: list[float]) -> dict[str, Any]:
+        medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+        return {
+            "median": round(statistics.median(values), 4),
             "ci90": [round(medians[int(0.05 * resamples)], 4), round(medians[int(0.95 * resamples) - 1], 4)],
-            "pairs": len(pairs),
+            "pairs": len(values),
         }
-    return out
+
+    vs_torch: dict[str, dict[str, Any]] = {}
+    of_ideal: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        key = f"P{r['pipeline']}"
+        if r["system"] == "varuna" and r.get("pair_ratios"):
+            vs_torch.setdefault(key, {})[r["schedule"]] = summary(r["pair_ratios"])
+        if r.get("of_ideal_per_round"):
+            of_ideal.setdefault(r["system"], {}).setdefault(key, {})[r["schedule"]] = summary(
+                r["of_ideal_per_round"]
+            )
+    return {"varuna_over_torch_pipelining": vs_torch, "of_bubble_ideal": of_ideal}
 
 
 def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, Any]:
@@ -276,7 +292,7 @@ def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, 
     pipelines = sorted({r["pipeline"] for r in results if r["system"] != "single"})
     return {
         **_ratios(results, "samples_per_s"),
-        "paired_varuna_over_torch_pipelining": paired_ratios(results),
+        "paired": paired_ratios(results),
         "from_best_step": _ratios(results, "best_samples_per_s"),
         "oversubscribed": {f"P{P}": P > host_cores for P in pipelines},
     }
@@ -309,7 +325,14 @@ def format_table(report: dict[str, Any]) -> str:
         flag = " (oversubscribed)" if report["ratios"]["oversubscribed"].get(key) else ""
         pairs = ", ".join(f"{s} {v:.2f} (best steps {best[key][s]:.2f})" for s, v in per.items())
         lines.append(f"varuna / torch.pipelining at {key}{flag}: {pairs}")
-    for key, per in report["ratios"]["paired_varuna_over_torch_pipelining"].items():
+    paired = report["ratios"]["paired"]
+    for system, by_p in paired["of_bubble_ideal"].items():
+        for p, shares in by_p.items():
+            text = ", ".join(
+                f"{s} {v['median']:.3f} ({v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})" for s, v in shares.items()
+            )
+            lines.append(f"paired, {system} at {p} of its ideal (single in the same rounds): {text}")
+    for key, per in paired["varuna_over_torch_pipelining"].items():
         pairs = ", ".join(
             f"{s} {v['median']:.3f} (90% interval {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f}, {v['pairs']} pairs)"
             for s, v in per.items()
@@ -334,7 +357,6 @@ def run(bench: PipelineBench) -> dict[str, Any]:
     params = count_parameters(GPT(GPTConfig(**bench.model)))
     results: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="varuna-bench-"))
-    results += _job(bench, tmp, "single", 1, ())
     for P in bench.pipelines:
         mine = _job(bench, tmp, "varuna", P, bench.varuna_schedules)
         bounds = mine[0]["boundaries"]  # both systems run at the boundaries Varuna chose
@@ -350,6 +372,8 @@ def run(bench: PipelineBench) -> dict[str, Any]:
             )
         else:
             results += mine
+    if not any(r["system"] == "single" for r in results):  # no paired job measured it
+        results = _job(bench, tmp, "single", 1, ()) + results
     shutil.rmtree(tmp, ignore_errors=True)  # kept when a job fails: its log is named in the error
     host_cores = os.cpu_count() or 1
     losses = [r["first_loss"] for r in results]
