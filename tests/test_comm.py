@@ -34,7 +34,8 @@ def test_header_round_trips_shapes_and_dtypes() -> None:
 def test_an_arrival_is_seen_without_waiting_for_it(tmp_path: Path) -> None:
     """What Varuna's pull-ahead relies on: gloo's works report completion only once waited for,
     so without the watcher threads `activation_ready`/`grad_ready` would stay False for good."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VARUNA_P2P_WATCH": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("VARUNA_P2P_WATCH", None)  # the default: watchers on, on CPU
     script = str(REPO / "tests" / "scripts" / "p2p_arrivals.py")
     argv = [
         sys.executable,
