@@ -35,7 +35,7 @@ def test_an_arrival_is_seen_without_waiting_for_it(tmp_path: Path) -> None:
     """What Varuna's pull-ahead relies on: gloo's works report completion only once waited for,
     so without the watcher threads `activation_ready`/`grad_ready` would stay False for good."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("VARUNA_P2P_WATCH", None)  # the default: watchers on, on CPU
+    env["VARUNA_P2P_WATCH"] = "1"  # off by default (see README); without, no arrival is ever seen
     script = str(REPO / "tests" / "scripts" / "p2p_arrivals.py")
     argv = [
         sys.executable,

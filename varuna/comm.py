@@ -170,7 +170,7 @@ class _Pending:
 
 def _watching(device: torch.device) -> bool:
     """Whether receives need a `_Watcher` to report arrivals: on CPU (gloo), unless turned off."""
-    return device.type == "cpu" and os.environ.get("VARUNA_P2P_WATCH", "1") != "0"
+    return device.type == "cpu" and os.environ.get("VARUNA_P2P_WATCH", "0") != "0"
 
 
 class P2P:
