@@ -14,9 +14,10 @@ the micro-batch index so a mismatch fails loudly instead of silently pairing wro
 
 Arrivals: Varuna's schedule pulls a forward ahead when the awaited gradient has not arrived, so
 the runtime must learn that a message arrived without blocking on it. gloo's work objects report
-completion only once waited for (`is_completed()` stays False until `wait()`), so on CPU a
-`_Watcher` thread per direction waits for the posted receives in posting order (the order they
-arrive in) and flags each arrival; on CUDA, NCCL's `is_completed()` tells directly.
+completion only once waited for (`is_completed()` stays False until `wait()`), so on CPU, with
+VARUNA_P2P_WATCH=1, a `_Watcher` thread per direction waits for the posted receives in posting
+order (the order they arrive in) and flags each arrival; without it a CPU rank learns of an
+arrival only by waiting for it. On CUDA, NCCL's `is_completed()` tells directly.
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class _Pending:
 
 
 def _watching(device: torch.device) -> bool:
-    """Whether receives need a `_Watcher` to report arrivals: on CPU (gloo), unless turned off."""
+    """Whether receives get a `_Watcher` to report arrivals: on CPU (gloo) with VARUNA_P2P_WATCH=1
+    (off by default until measured on a quiet host; see the README)."""
     return device.type == "cpu" and os.environ.get("VARUNA_P2P_WATCH", "0") != "0"
 
 

@@ -185,6 +185,11 @@ def _run_job(name: str, cmd: list[str], timeout_s: float, log: Path) -> None:
     _log(f"{name}: done in {time.perf_counter() - t0:.1f} s")
 
 
+def _limit(bench: PipelineBench, system: str) -> float:
+    """A job's time limit: the paired job runs three systems in turn, so it gets three times as long."""
+    return bench.job_timeout_s * (3 if system == "paired" else 1)
+
+
 def _job(
     bench: PipelineBench, tmp: Path, system: str, pipeline: int, schedules: tuple[str, ...], **extra: Any
 ) -> list[dict[str, Any]]:
@@ -206,7 +211,7 @@ def _job(
         "steps": bench.steps,
         "out": str(out),
         "run_dir": str(tmp / "varuna-run"),
-        "hang_s": bench.job_timeout_s,
+        "hang_s": _limit(bench, system),
         **extra,
     }
     spec_path = tmp / f"{tag}.spec.json"
@@ -216,10 +221,10 @@ def _job(
         cmd = [sys.executable, *worker]
     else:
         cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(pipeline), "--data", "1"]
-        cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{bench.job_timeout_s:g}", *worker]
+        cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{_limit(bench, system):g}", *worker]
     _log(f"{name}: starting")
     # The outer limit only backs up `varuna run --timeout` (and the worker's own hang dump).
-    _run_job(name, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
+    _run_job(name, cmd, _limit(bench, system) + 30, tmp / f"{tag}.log")
     if not out.exists():
         raise LaunchError(
             f"benchmark job {name} exited 0 but wrote no results ({out}); see {tmp / (tag + '.log')}"
