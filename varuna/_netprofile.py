@@ -153,6 +153,7 @@ def _messages(
                     samples[1].append(t1 - t0)
                     samples[2].append(t3 - t2)
         p2p.finish()
+        p2p.close()
         if rank == 0:
             out[0], out[3], out[5] = (statistics.median(samples[i]) for i in (0, 3, 4))
         else:
@@ -225,6 +226,7 @@ def _delivery(
             out[n - 1, 0] = statistics.median(samples[0])
     if p2p is not None:
         p2p.finish()
+        p2p.close()
     dist.all_reduce(out)
     return {
         n: {"F": max(f - transfer_s, 0.0), "B": max(b - transfer_s, 0.0)}
