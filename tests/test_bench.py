@@ -60,3 +60,11 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
         assert set(ratios["varuna_over_torch_pipelining"][f"P{P}"]) == {"gpipe", "1f1b"}
         assert set(ratios["of_bubble_ideal"]["varuna"][f"P{P}"]) == {"gpipe", "1f1b", "varuna"}
         assert f"P{P}" in ratios["oversubscribed"]
+
+
+def test_share_of_ideal() -> None:
+    from varuna.bench._pipeline_worker import share_of_ideal
+
+    # one process takes 9 s for the batch; 2 stages, 8 micro-batches: ideal step 9 / 2 * 9 / 8 s
+    assert share_of_ideal(9 / 2 * 9 / 8, 9.0, 2, 8) == pytest.approx(1.0)
+    assert share_of_ideal(2 * 9 / 2 * 9 / 8, 9.0, 2, 8) == pytest.approx(0.5)  # twice as slow

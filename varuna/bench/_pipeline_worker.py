@@ -33,6 +33,13 @@ SEED = 0
 DATA_SEED = 0
 
 
+def share_of_ideal(step_s: float, single_step_s: float, pipeline: int, microbatches: int) -> float:
+    """A pipeline's samples/s over its bubble-limited ideal M / (M + P - 1) * P * (one process's
+    samples/s), from the two step times of the same global batch."""
+    P, M = pipeline, microbatches
+    return single_step_s / (step_s * P * M / (M + P - 1))
+
+
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
@@ -389,9 +396,7 @@ def run_paired(spec: dict[str, Any]) -> list[dict[str, Any]]:
         pairs = [t / v for t, v in zip(slowest["torch.pipelining"][w:], slowest["varuna"][w:])]
         baseline = _summary(slowest["single"], [every[0]["single"]["cpu_s"]], spec)
         for system in ("varuna", "torch.pipelining"):
-            ideal = [  # this round's bubble-limited ideal over this round's pipeline step
-                t * P * M / (M + P - 1) / s for s, t in zip(slowest[system][w:], slowest["single"][w:])
-            ]
+            ideal = [share_of_ideal(s, t, P, M) for s, t in zip(slowest[system][w:], slowest["single"][w:])]
             results.append(
                 {
                     "system": system,
