@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["log", "bench_env", "print_report"]
+__all__ = ["log", "bench_env", "print_report", "require_positive"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,3 +43,13 @@ def print_report(report: dict[str, object], table: str, as_json: bool) -> int:
     else:
         print(table)
     return 0
+
+
+def require_positive(config: object, *names: str) -> None:
+    """Raise ConfigError naming the first of `config`'s fields `names` that is not an int >= 1."""
+    from varuna.errors import ConfigError
+
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{type(config).__name__}.{name} must be a positive integer (got {value!r})")

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from varuna.bench import bench_env, log, print_report
+from varuna.bench import bench_env, log, print_report, require_positive
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = ["MorphBench", "full", "quick", "run", "plain_write", "crc_rate", "format_table"]
@@ -139,16 +139,14 @@ class MorphBench:
     checkpointing would (the morph's checkpoint is then not the first one of its processes)."""
 
     def __post_init__(self) -> None:
-        for name in (
+        require_positive(
+            self,
             "global_batch_size",
             "micro_batch_size",
             "steps_before",
             "steps_after",
             "plain_write_repeats",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"MorphBench.{name} must be a positive integer (got {value!r})")
+        )
         if self.max_steps <= self.steps_before:
             raise ConfigError(
                 f"MorphBench.max_steps ({self.max_steps}) must exceed steps_before ({self.steps_before})"

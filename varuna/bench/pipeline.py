@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from varuna.bench import bench_env, log, print_report
+from varuna.bench import bench_env, log, print_report, require_positive
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "format_table"]
@@ -92,10 +92,7 @@ class PipelineBench:
     """A job (one system at one P, all its schedules) that runs longer fails, naming its config."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "micro_batch_size", "steps", "paired_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"PipelineBench.{name} must be a positive integer (got {value!r})")
+        require_positive(self, "global_batch_size", "micro_batch_size", "steps", "paired_steps")
         if self.warmup < 0:
             raise ConfigError(f"PipelineBench.warmup must be >= 0 (got {self.warmup})")
         if self.global_batch_size % self.micro_batch_size:

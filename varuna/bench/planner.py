@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from varuna.bench import log, print_report
+from varuna.bench import log, print_report, require_positive
 from varuna.bench._planner_worker import foreign_cores, host_busy_s, wait_quiet
 from varuna.bench.pipeline import _run_job
 from varuna.errors import ConfigError, LaunchError
@@ -97,10 +97,7 @@ class PlannerBench:
     """A job that runs longer fails, naming its configurations."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "steps", "rounds", "attempts", "profile_repeats"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"PlannerBench.{name} must be a positive integer (got {value!r})")
+        require_positive(self, "global_batch_size", "steps", "rounds", "attempts", "profile_repeats")
         for P, D in self.shapes:
             if P * D not in (2, 4) or P > self.model.get("n_layer", 4):
                 raise ConfigError(

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from varuna.bench import bench_env, log, print_report
+from varuna.bench import bench_env, log, print_report, require_positive
 from varuna.errors import ConfigError, LaunchError
 from varuna.schedule import SCHEDULES
 
@@ -93,10 +93,7 @@ class TelemetryBench:
     """The job fails, naming its config, when it runs longer."""
 
     def __post_init__(self) -> None:
-        for name in ("pipeline", "global_batch_size", "micro_batch_size", "pairs", "repeats"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"TelemetryBench.{name} must be a positive integer (got {value!r})")
+        require_positive(self, "pipeline", "global_batch_size", "micro_batch_size", "pairs", "repeats")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ConfigError(f"TelemetryBench.warmup must be an integer >= 0 (got {self.warmup!r})")
         if self.schedule not in SCHEDULES:
