@@ -187,3 +187,10 @@ def test_delivery_delays_round_trip_and_fall_back_to_the_fixed_delay(tmp_path: P
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, delivery_s={0: {"F": 0.0, "B": 0.0}})
     with pytest.raises(ConfigError, match=r"delivery_s\[1\] = \{'F': 0.0\}"):
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, delivery_s={1: {"F": 0.0}})
+    with pytest.raises(ConfigError, match=r"optionally \"SEND_F\" and \"SEND_B\""):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, delivery_s={1: {"F": 0.0, "B": 0.0, "X": 1.0}})
+    sends = {1: {"F": 0.0, "B": 0.0, "SEND_F": 1e-3, "SEND_B": 2e-3}}
+    back = NetworkCost.from_json(
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, delivery_s=sends).to_json()
+    )
+    assert back.delivery_s == sends

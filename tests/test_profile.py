@@ -211,6 +211,8 @@ def test_varuna_profile_two_ranks(tmp_path: Path) -> None:
     assert messages["SEND_F"] > 0 and messages["RECV_F"] > 0 and all(v >= 0 for v in messages.values())
     assert table.network.reports_arrival is False  # gloo: a receive is "completed" only once waited for
     assert list(table.network.delivery_s) == [1]  # 2 ranks: the sender alone busy
+    assert set(table.network.delivery_s[1]) == {"F", "B", "SEND_F", "SEND_B"}
     assert all(v >= 0 for v in table.network.delivery_s[1].values())
+    assert table.network.delivery_s[1]["SEND_F"] > 0  # a send is timed, never free
     assert not (run_dir / "engine.json").exists()  # the real engine never started: no training ran
     assert "varuna profile" in (run_dir / "logs" / "rank0.log").read_text()  # the progress bar

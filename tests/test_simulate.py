@@ -102,6 +102,27 @@ def test_delivery_waits_longer_while_more_ranks_compute() -> None:
     assert simulate("gpipe", 2, 2, [U, U], sharing=Sharing(delivery=delivery), message_s=fixed).step_s == 11.0
 
 
+def test_send_costs_by_busy_count_keep_the_sender_busy() -> None:
+    delivery = {
+        1: {"F": 0.0, "B": 0.0, "SEND_F": 0.1, "SEND_B": 0.2},
+        2: {"F": 0.0, "B": 0.0, "SEND_F": 0.5, "SEND_B": 0.7},
+    }
+    slow = StageCost(forward_s=2.0, backward_s=2.0)
+    t = simulate("gpipe", 2, 2, [U, slow], sharing=Sharing(delivery=delivery), message_s={"SEND_F": 9.0})
+    sends = [
+        (sp.kind, sp.microbatch, sp.start, sp.end) for st in t.spans for sp in st if sp.kind[:4] == "SEND"
+    ]
+    # SEND_F0 at 1 with stage 1 idle (n = 1): 0.1, so stage 1 runs F0 from 1.1 to 3.1; SEND_F1 at
+    # 2.1 overlaps it (n = 2): 0.5. The table replaces message_s's fixed SEND_F.
+    assert sends[:2] == [("SEND_F", 0, 1.0, pytest.approx(1.1)), ("SEND_F", 1, 2.1, pytest.approx(2.6))]
+    # stage 1: F1 3.1-5.1, B0 5.1-7.1; SEND_B0 while stage 0 waits (n = 1): 0.2
+    assert sends[2] == ("SEND_B", 0, pytest.approx(7.1), pytest.approx(7.3))
+    # without send costs in the table, message_s applies
+    plain = {n: {"F": d["F"], "B": d["B"]} for n, d in delivery.items()}
+    t = simulate("gpipe", 2, 1, [U, U], sharing=Sharing(delivery=plain), message_s={"SEND_F": 0.25})
+    assert [sp.end - sp.start for sp in t.spans[0] if sp.kind == "SEND_F"] == [0.25]
+
+
 def test_a_transport_that_never_reports_arrival_steers_the_pull_ahead() -> None:
     kw = {"recompute": False}
     # gloo: the runtime's readiness check always says "not there": stage 0 pulls every forward

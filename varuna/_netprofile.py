@@ -169,10 +169,11 @@ def _messages(
 def _delivery(
     rank: int, world: int, device: torch.device, nbytes: int, repeats: int, transfer_s: float
 ) -> dict[int, dict[str, float]]:
-    """n -> {"F": s, "B": s}: how much later than `transfer_s` an activation (F) or a gradient (B)
-    sent by the runtime's own code (`varuna.comm.P2P`) reaches a stage waiting for it while n ranks
-    compute (the sender, which goes on computing as a stage does after a send, and n - 1 others),
-    for n = 1 .. world - 1; {} when ranks 0 and 1 are on different hosts.
+    """n -> {"F": s, "B": s, "SEND_F": s, "SEND_B": s}: how much later than `transfer_s` an
+    activation (F) or a gradient (B) sent by the runtime's own code (`varuna.comm.P2P`) reaches a
+    stage waiting for it while n ranks compute (the sender, which goes on computing as a stage does
+    after a send, and n - 1 others), and how long the send itself keeps the sender busy, for
+    n = 1 .. world - 1; {} when ranks 0 and 1 are on different hosts.
 
     On a host with fewer cores than busy ranks this is the scheduler's doing, not the wire's: an
     activation's data is sent only once the receiver has read its header and asked for it, which
@@ -187,13 +188,13 @@ def _delivery(
     dist.all_gather_object(hosts, socket.gethostname())
     if hosts[0] != hosts[1] or world < 2:
         return {}
-    out = torch.zeros(max(world - 1, 1), 2, dtype=torch.float64, device=device)
+    out = torch.zeros(max(world - 1, 1), 4, dtype=torch.float64, device=device)
     p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device) if rank == 1 else None
     work = torch.randn(64, 64, device=device)
     stamp = torch.zeros(max(nbytes // 8, 1), dtype=torch.float64, device=device)
     m = 0
     for n in range(1, world):
-        samples: list[list[float]] = [[], []]
+        samples: list[list[float]] = [[], [], [], []]  # delivery F, B; send F, B
         for rep in range(repeats + 1):
             m += 1
             if rank == 1:
@@ -202,8 +203,10 @@ def _delivery(
             if rank == 0:
                 assert p2p is not None
                 _busy(0.002, work)
-                stamp[0] = time.perf_counter()
+                stamp[0] = t0 = time.perf_counter()
                 p2p.send_activation(m, stamp)
+                if rep:
+                    samples[2].append(time.perf_counter() - t0)
                 _busy(0.001, work)
                 grad = p2p.recv_grad(m)[0]
                 if rep:
@@ -215,22 +218,24 @@ def _delivery(
                     samples[0].append(time.perf_counter() - float(value.detach()[0]))
                 _busy(0.005, work)
                 value.grad = torch.zeros_like(value)
-                value.grad[0] = time.perf_counter()
+                value.grad[0] = t0 = time.perf_counter()
                 p2p.send_grad(m, value)
+                if rep:
+                    samples[3].append(time.perf_counter() - t0)
                 _busy(0.010, work)
             elif rank <= n:
                 _busy(0.025, work)
         if rank == 0:
-            out[n - 1, 1] = statistics.median(samples[1])
+            out[n - 1, 1], out[n - 1, 2] = statistics.median(samples[1]), statistics.median(samples[2])
         elif rank == 1:
-            out[n - 1, 0] = statistics.median(samples[0])
+            out[n - 1, 0], out[n - 1, 3] = statistics.median(samples[0]), statistics.median(samples[3])
     if p2p is not None:
         p2p.finish()
         p2p.close()
     dist.all_reduce(out)
     return {
-        n: {"F": max(f - transfer_s, 0.0), "B": max(b - transfer_s, 0.0)}
-        for n, (f, b) in enumerate(out.tolist(), start=1)
+        n: {"F": max(f - transfer_s, 0.0), "B": max(b - transfer_s, 0.0), "SEND_F": sf, "SEND_B": sb}
+        for n, (f, b, sf, sb) in enumerate(out.tolist(), start=1)
     }
 
 

@@ -186,7 +186,10 @@ class NetworkCost:
     gradient (B) reaches a stage waiting for it while n ranks of the host compute, the sender
     among them (measured with the runtime's own transfer code on one host; {} when unmeasured,
     e.g. ranks 0 and 1 on different hosts: then DELAY_F / DELAY_B of `message_s` apply). On a
-    host with fewer cores than busy ranks the scheduler, not the wire, sets it."""
+    host with fewer cores than busy ranks the scheduler, not the wire, sets it. Optional "SEND_F" /
+    "SEND_B": seconds a send keeps the sending stage busy while n - 1 other ranks compute (on an
+    oversubscribed host the woken receiver and the transport threads take the sender's core; 4
+    ranks on 2 cores: ~1 ms per send where `message_s` says 0.1); missing: `message_s`."""
     reports_arrival: bool = True
     """Whether a posted receive says "completed" once its message is there, before it is waited
     for. The runtime's pull-ahead (Varuna's schedule) asks exactly that; gloo's receives say
@@ -216,12 +219,12 @@ class NetworkCost:
             if (
                 not isinstance(n, int)
                 or n < 1
-                or set(delays) != {"F", "B"}
+                or not {"F", "B"} <= set(delays) <= {"F", "B", "SEND_F", "SEND_B"}
                 or not all(math.isfinite(v) and v >= 0 for v in delays.values())
             ):
                 raise ConfigError(
                     f"NetworkCost.delivery_s[{n!r}] = {delays!r}; give busy-rank counts >= 1 with "
-                    '{"F": seconds >= 0, "B": seconds >= 0}'
+                    '{"F": seconds >= 0, "B": seconds >= 0} and optionally "SEND_F" and "SEND_B"'
                 )
         for kind, seconds in self.message_s.items():
             if kind not in MESSAGE_KINDS or not math.isfinite(seconds) or seconds < 0:

@@ -398,7 +398,10 @@ def measure_slowdown(
     n-way sharing), so every timed pass overlaps all n-1 others for its whole length; a pass still
     running at the deadline (when the others may have stopped) is not counted. Running for a fixed
     number of passes instead lets the first rank done hand its core to the rest, which reads
-    sharing as cheaper than it is. The host's speed drifts over seconds, so the counts 1..world
+    sharing as cheaper than it is. A rank's time is the mean of its passes (time-slicing makes
+    some passes much longer than the typical one, and the median, which skips them, read 3 ranks
+    on 2 cores as 1.36-1.41x where sharing cannot be under 1.5x); n ranks' time is the one of
+    their mean rate, the harmonic mean. The host's speed drifts over seconds, so the counts 1..world
     are measured in `rounds` interleaved rounds and each round's factors are over that round's
     lone time; the table holds the median factor of the rounds. Gradients and RNG state are left
     as they were.
@@ -426,7 +429,7 @@ def measure_slowdown(
         dist.broadcast_object_list(box, src=0)
         lone = float(box[0])
         for _ in range(rounds):
-            medians: list[float] = []
+            per_n: list[float] = []
             for n in range(1, world + 1):
                 dist.barrier()
                 mine = float("nan")
@@ -438,12 +441,12 @@ def measure_slowdown(
                         if time.perf_counter() > deadline:
                             break
                         times.append(t)
-                    mine = statistics.median(times) if times else t
+                    mine = statistics.fmean(times) if times else t
                 every: list[Any] = [None] * world
                 dist.all_gather_object(every, mine)
-                medians.append(statistics.median(every[:n]))
+                per_n.append(n / sum(1.0 / x for x in every[:n]))  # the n ranks' mean rate
             for n in range(1, world + 1):
-                factors[n].append(medians[n - 1] / medians[0])
+                factors[n].append(per_n[n - 1] / per_n[0])
     return {n: statistics.median(f) for n, f in factors.items()}
 
 

@@ -37,12 +37,13 @@ durations if they start swinging between two overlaps). The
 parameter updates all start together after the final all-reduce and share the cores the same way.
 With `Sharing.delivery`, a value sent while n ranks compute (the sender counted busy, the others
 as in the previous pass) arrives `delivery[n]` later than its transfer time: on an oversubscribed
-host a waiting stage and the sender's transfer thread wait for a core too.
+host a waiting stage and the sender's transfer thread wait for a core too; where the table has
+the send costs by busy count too (SEND_F / SEND_B), a send keeps its sender busy that long.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,12 +99,21 @@ class Sharing:
         """The delivery delay of a value of `kind` ("F" or "B") sent while `busy` ranks compute."""
         return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery.items()}, busy, one=None)
 
+    def send(self, kind: str, busy: int) -> float | None:
+        """Seconds a send of `kind` ("SEND_F" or "SEND_B") keeps the sender busy while `busy` - 1
+        other ranks compute; None where the delivery table does not say (then `message_s`)."""
+        if not self.delivery or not all(kind in d for d in self.delivery.values()):
+            return None
+        return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery.items()}, busy, one=None)
+
     def matters(self, num_stages: int) -> bool:
         """Whether any reachable busy count changes a duration or a delivery."""
         counts = [self.replicas * k for k in range(1, num_stages + 1)]
         return any(self.factor(n) != 1.0 for n in counts) or (
-            num_stages > 1 and len({(self.delay("F", n), self.delay("B", n)) for n in counts}) > 1
-        )
+            num_stages > 1
+            and len({(self.delay("F", n), self.delay("B", n), self.send("SEND_F", n), self.send("SEND_B", n))
+                     for n in counts}) > 1
+        )  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -317,12 +327,23 @@ class _Delays:
         ]
         self.used: list[float] = []  # every delay handed out, in order: equal in two passes = settled
 
-    def __call__(self, kind: str, sender: int, t: float) -> float:
+    def _count(self, sender: int, t: float) -> int:
+        """Busy ranks at time t: the sender (counted busy) and the stages computing then, x D."""
         others = sum(
             any(a <= t < b for a, b in intervals) for o, intervals in enumerate(self.busy) if o != sender
         )
-        self.used.append(self.sharing.delay(kind, self.sharing.replicas * (1 + others)))
+        return self.sharing.replicas * (1 + others)
+
+    def __call__(self, kind: str, sender: int, t: float) -> float:
+        self.used.append(self.sharing.delay(kind, self._count(sender, t)))
         return self.used[-1]
+
+    def send(self, kind: str, sender: int, t: float) -> float | None:
+        """What a send of `kind` started at t costs the sender (`Sharing.send`), None: unmeasured."""
+        cost = self.sharing.send(kind, self._count(sender, t))
+        if cost is not None:
+            self.used.append(cost)
+        return cost
 
 
 def _stretch_all(
@@ -412,7 +433,7 @@ class _Simulation:
         durations: Mapping[tuple[int, str, int], float] | None = None,
         messages: Mapping[str, float] | None = None,
         sees_arrivals: bool = True,
-        delay: Callable[[str, int, float], float] | None = None,
+        delay: _Delays | None = None,
     ) -> None:
         self.messages = messages or {}
         self.delay = delay
@@ -509,7 +530,8 @@ class _Simulation:
         elif a.kind in ("RECV_F", "RECV_B"):
             end = max(t, self.arrival[(a.kind[-1], s, m)]) + self.messages.get(a.kind, 0.0)
         else:  # SEND_F / SEND_B: queue on the link, arrive after the transfer
-            end = t + self.messages.get(a.kind, 0.0)
+            cost = self.delay.send(a.kind, s, t) if self.delay is not None else None
+            end = t + (self.messages.get(a.kind, 0.0) if cost is None else cost)
             to, boundary = (s + 1, s) if a.kind == "SEND_F" else (s - 1, s - 1)
             link = (a.kind, boundary)
             start = max(end, self.link_free.get(link, 0.0))

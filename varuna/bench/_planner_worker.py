@@ -165,6 +165,38 @@ def _steps(spec: dict[str, Any], c: dict[str, Any], batches: list[dict[str, torc
     return [round(t, 5) for t in slowest[spec["warmup"] :]]
 
 
+def _fresh_then_steps(
+    spec: dict[str, Any], c: dict[str, Any], batches: list[dict[str, torch.Tensor]], table: Any
+) -> tuple[Any, list[float]]:
+    """The round's profile with its per-segment compute at `c`'s micro-batch size measured again
+    just now (rank 0, the others waiting), then `_steps`: the host's speed moves within seconds, so
+    compute timed seconds before a configuration describes the host it runs on better than compute
+    timed at the start of the round (the network and the slowdown table stay the round's)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from varuna.costs import CostTable
+    from varuna.profile import profile_model
+
+    m = c["micro_batch_size"]
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        now = profile_model(_model(spec["model"]), batches[0], micro_batch_sizes=(m,), repeats=spec["repeats"],
+                            progress=False)  # fmt: skip
+        segments = [
+            dataclasses.replace(
+                old, forward_s=old.forward_s | new.forward_s, backward_s=old.backward_s | new.backward_s,
+                recompute_s=(old.recompute_s or old.forward_s) | (new.recompute_s or new.forward_s),
+                update_s=new.update_s,
+            )
+            for old, new in zip(table.segments, now)
+        ]  # fmt: skip
+        box[0] = dataclasses.replace(table, segments=segments).to_json()
+    dist.broadcast_object_list(box, src=0)
+    return CostTable.from_json(box[0]), _steps(spec, c, batches)
+
+
 class _Retries:
     """Wait for a quiet host, run, and run again while others disturbed it, within a time budget."""
 
@@ -225,16 +257,21 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             seen | {"forward_backward_s": _forward_backward(table), "slowdown": table.compute_slowdown}
         )
         for c, kept in zip(spec["configs"], rounds):
-            steps, seen = retries.run(
-                f"{_name(c)} round {r + 1}", functools.partial(_steps, spec, c, batches)
+            (fresh, steps), seen = retries.run(
+                f"{_name(c)} round {r + 1}", functools.partial(_fresh_then_steps, spec, c, batches, table)
             )
-            predicted = predict(
-                table, pipeline=c["pipeline"], data=c["data"], micro_batch_size=c["micro_batch_size"],
-                schedule=c["schedule"], global_batch_size=spec["global_batch_size"], recompute=c["recompute"],
-                boundaries=c["boundaries"],
-            ).predicted_step_s  # fmt: skip
+            predicted, from_round = (
+                predict(
+                    t, pipeline=c["pipeline"], data=c["data"], micro_batch_size=c["micro_batch_size"],
+                    schedule=c["schedule"], global_batch_size=spec["global_batch_size"],
+                    recompute=c["recompute"], boundaries=c["boundaries"],
+                ).predicted_step_s
+                for t in (fresh, table)
+            )  # fmt: skip
             kept.append(
-                seen | {"step_s": steps, "predicted_s": predicted, "profile_clean": profiles[-1]["clean"]}
+                seen
+                | {"step_s": steps, "predicted_s": predicted, "predicted_s_round_profile": from_round}
+                | {"profile_clean": profiles[-1]["clean"]}
             )
             if rank == 0:
                 _log(

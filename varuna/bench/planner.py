@@ -12,11 +12,15 @@
                  again (`run_profile` on the job's ranks) and then trains every configuration of
                  that size with exactly the planner's choice (same boundaries)
     4. predict   `varuna.plan.predict` of each configuration, with its boundaries, from the profile
-                 of its round. This host's speed drifts by 10-40% over minutes even with nothing
-                 else running in the VM (seen here: the model's forward+backward profiled at 0.094,
-                 0.108 and 0.132 s within four minutes of one run), so a profile taken minutes
-                 before a measurement describes another machine; one taken just before describes
-                 the same. `predicted_s_first_profile` is the start-of-run profile's prediction.
+                 of its round whose per-segment compute at the configuration's micro-batch size is
+                 profiled again (`varuna.profile.profile_model`) right before the configuration
+                 runs. This host's speed drifts by 10-40% over minutes even with nothing else
+                 running in the VM (seen here: the model's forward+backward profiled at 0.094,
+                 0.108 and 0.132 s within four minutes of one run, and 1.53 against 1.80 s for the
+                 same 30 passes ten seconds apart), so a profile taken minutes before a
+                 measurement describes another machine; one taken just before describes the same.
+                 `predicted_s_round_profile` is the prediction without the refresh,
+                 `predicted_s_first_profile` the start-of-run profile's.
 
 Report: `configs` (pipeline, data, micro_batch_size, schedule, predicted_s, measured_s, error =
 predicted / measured - 1), `mean_abs_error`, `max_abs_error`, `spearman` (rank correlation of
@@ -280,6 +284,7 @@ def _measure(bench: PlannerBench, tmp: Path, configs: list[dict[str, Any]], worl
         clean = [x for x in r["rounds"] if x["clean"] and x["profile_clean"]] or r["rounds"]
         r["measured_s"] = statistics.median(t for x in clean for t in x["step_s"])
         r["predicted_s"] = statistics.median(x["predicted_s"] for x in clean)
+        r["predicted_s_round_profile"] = statistics.median(x["predicted_s_round_profile"] for x in clean)
         r["error"] = r["predicted_s"] / r["measured_s"] - 1
         r["disturbed"] = not any(x["clean"] and x["profile_clean"] for x in r["rounds"])
     return results
@@ -314,6 +319,7 @@ def run(bench: PlannerBench) -> dict[str, Any]:
                 "disturbed": r["disturbed"],
                 "boundaries": r["boundaries"],
                 "predicted_s_first_profile": r["first_predicted_s"],
+                "predicted_s_round_profile": r["predicted_s_round_profile"],
                 "rounds": r["rounds"],
             }
             for r in results
@@ -344,7 +350,9 @@ def run(bench: PlannerBench) -> dict[str, Any]:
             "the configuration's undisturbed rounds",
             "error": "predicted_s / measured_s - 1",
             "predicted_s": "median over the same rounds of varuna.plan.predict of the configuration "
-            "(with its boundaries) from the profile taken at the start of the round",
+            "(with its boundaries) from the profile taken at the start of the round, its per-segment "
+            "compute at the configuration's micro-batch size profiled again just before the "
+            "configuration runs (predicted_s_round_profile: without that refresh)",
         },
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
