@@ -82,9 +82,9 @@ class PipelineBench:
     """torch.distributed.pipelining schedules, each run at every P."""
     warmup: int = 2
     """Untimed steps before the timed ones (per configuration)."""
-    steps: int = 5
+    steps: int = 4
     """Timed steps per configuration; samples/s uses their median."""
-    paired_steps: int = 12
+    paired_steps: int = 10
     """At the smallest P (the comparison the targets are about), timed steps of each system in the
     paired job: Varuna and torch.pipelining in the same ranks, alternating step by step (see
     `_pipeline_worker.run_paired`), so the host's drift cancels in each pair's ratio."""
