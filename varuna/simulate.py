@@ -27,18 +27,9 @@ For P=2, M=1, f=1, b=2 and a transfer of c on the boundary (times in the picture
     stage 0 | F0 [0,1]  RECV_B0 waits [1, 4+2c]  B0 [4+2c, 6+2c]
     stage 1 | RECV_F0 waits [0, 1+c]  F0 [1+c, 2+c]  B0 [2+c, 4+c]      step = 6 + 2c
 
-Shared cores (`Sharing`): on a host with fewer cores than ranks, a stage computes slower while
-others compute too. With D replicas running the same schedule, n(t) = D x (stages computing at t)
-ranks are busy, and a compute action of base cost w ends when the work done at rate
-1 / slowdown(n(t)) reaches w (processor sharing). The durations depend on the overlaps and the
-overlaps on the durations, so the simulation repeats, each pass timing every action against the
-previous pass's overlaps, until no duration changes (a fixed point; smaller steps towards the new
-durations if they start swinging between two overlaps). The
-parameter updates all start together after the final all-reduce and share the cores the same way.
-With `Sharing.delivery`, a value sent while n ranks compute (the sender counted busy, the others
-as in the previous pass) arrives `delivery[n]` later than its transfer time: on an oversubscribed
-host a waiting stage and the sender's transfer thread wait for a core too; where the table has
-the send costs by busy count too (SEND_F / SEND_B), a send keeps its sender busy that long.
+Shared cores (`Sharing`): on a host with fewer cores than ranks, busy stages slow each other down
+and sent values can arrive later; the simulation then repeats until the durations settle (see
+`varuna.sharing`).
 """
 
 from __future__ import annotations
@@ -47,9 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from varuna.costs import CostTable
 from varuna.errors import ScheduleError
 from varuna.schedule import COMPUTE_KINDS, Action, Schedule, ScheduleName, Span, lower, make_schedule
+from varuna.sharing import Sharing, _Delays, _shared_updates, _stretch_all
 
 __all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_lowered"]
 
@@ -76,44 +67,6 @@ class StageCost:
         if kind == "B":
             return self.backward_s
         return self.forward_s if self.recompute_s is None else self.recompute_s
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Sharing:
-    """Ranks that share one host's cores: how much slower each computes while n compute at once."""
-
-    replicas: int = 1
-    """D: replicas running the same schedule at the same time (each busy stage counts D times)."""
-    slowdown: Mapping[int, float] = field(default_factory=dict)
-    """n busy ranks -> compute-time factor (`CostTable.compute_slowdown`); missing n interpolate."""
-    delivery: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
-    """n busy ranks -> {"F": s, "B": s}, how much later than the transfer time an activation or a
-    gradient reaches a waiting stage while n ranks compute, the sender among them
-    (`NetworkCost.delivery_s`); {} means the fixed DELAY_F / DELAY_B of `message_s`."""
-
-    def factor(self, busy: int) -> float:
-        """The compute-time factor with `busy` ranks computing at once (>= 1 means slower)."""
-        return CostTable.slowdown_of(self.slowdown, busy)
-
-    def delay(self, kind: str, busy: int) -> float:
-        """The delivery delay of a value of `kind` ("F" or "B") sent while `busy` ranks compute."""
-        return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery.items()}, busy, one=None)
-
-    def send(self, kind: str, busy: int) -> float | None:
-        """Seconds a send of `kind` ("SEND_F" or "SEND_B") keeps the sender busy while `busy` - 1
-        other ranks compute; None where the delivery table does not say (then `message_s`)."""
-        if not self.delivery or not all(kind in d for d in self.delivery.values()):
-            return None
-        return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery.items()}, busy, one=None)
-
-    def matters(self, num_stages: int) -> bool:
-        """Whether any reachable busy count changes a duration or a delivery."""
-        counts = [self.replicas * k for k in range(1, num_stages + 1)]
-        return any(self.factor(n) != 1.0 for n in counts) or (
-            num_stages > 1
-            and len({(self.delay("F", n), self.delay("B", n), self.send("SEND_F", n), self.send("SEND_B", n))
-                     for n in counts}) > 1
-        )  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -315,94 +268,6 @@ def simulate_lowered(
         peak_inflight=[_peak_inflight(spans) for spans in sim.spans],
         update_s=update_end,
     )
-
-
-class _Delays:
-    """Delivery delays from the busy stages of a previous pass (none yet: the sender alone)."""
-
-    def __init__(self, sharing: Sharing, spans: list[list[Span]] | None) -> None:
-        self.sharing = sharing
-        self.busy = [
-            [(sp.start, sp.end) for sp in stage if sp.kind in COMPUTE_KINDS] for stage in spans or []
-        ]
-        self.used: list[float] = []  # every delay handed out, in order: equal in two passes = settled
-
-    def _count(self, sender: int, t: float) -> int:
-        """Busy ranks at time t: the sender (counted busy) and the stages computing then, x D."""
-        others = sum(
-            any(a <= t < b for a, b in intervals) for o, intervals in enumerate(self.busy) if o != sender
-        )
-        return self.sharing.replicas * (1 + others)
-
-    def __call__(self, kind: str, sender: int, t: float) -> float:
-        self.used.append(self.sharing.delay(kind, self._count(sender, t)))
-        return self.used[-1]
-
-    def send(self, kind: str, sender: int, t: float) -> float | None:
-        """What a send of `kind` started at t costs the sender (`Sharing.send`), None: unmeasured."""
-        cost = self.sharing.send(kind, self._count(sender, t))
-        if cost is not None:
-            self.used.append(cost)
-        return cost
-
-
-def _stretch_all(
-    spans: list[list[Span]], costs: Sequence[StageCost], sharing: Sharing
-) -> dict[tuple[int, str, int], float]:
-    """Each compute action's duration under processor sharing, against the overlaps in `spans`."""
-    busy = [[(sp.start, sp.end) for sp in stage if sp.kind in COMPUTE_KINDS] for stage in spans]
-    out = {}
-    for s, stage in enumerate(spans):
-        edges = sorted(
-            (t, d)
-            for o, intervals in enumerate(busy)
-            if o != s
-            for a, b in intervals
-            for t, d in ((a, 1), (b, -1))
-        )
-        for sp in stage:
-            if sp.kind in COMPUTE_KINDS:
-                work = costs[s].seconds(sp.kind)
-                out[(s, sp.kind, sp.microbatch or 0)] = _finish(sp.start, work, edges, sharing)
-    return out
-
-
-def _finish(start: float, work: float, edges: list[tuple[float, int]], sharing: Sharing) -> float:
-    """Seconds from `start` until `work` seconds of lone compute are done, while the other stages
-    are busy as `edges` ((time, +1 start / -1 end), sorted) say and this one is busy throughout."""
-    others, i = 0, 0
-    while i < len(edges) and edges[i][0] <= start:
-        others += edges[i][1]
-        i += 1
-    t, left = start, work
-    while True:
-        rate = 1.0 / sharing.factor(sharing.replicas * (1 + others))
-        nxt = edges[i][0] if i < len(edges) else float("inf")
-        if left <= (nxt - t) * rate:
-            return t + left / rate - start
-        left -= (nxt - t) * rate
-        t = nxt
-        while i < len(edges) and edges[i][0] <= t:
-            others += edges[i][1]
-            i += 1
-
-
-def _shared_updates(updates: list[float], sharing: Sharing) -> list[float]:
-    """When each stage's parameter update ends if all start at once and share the cores."""
-    left = {s: w for s, w in enumerate(updates) if w > 0}
-    done = [0.0] * len(updates)
-    t = 0.0
-    while left:
-        rate = 1.0 / sharing.factor(sharing.replicas * len(left))
-        s_min = min(left, key=left.__getitem__)
-        dt = left[s_min] / rate
-        t += dt
-        for s in list(left):
-            left[s] -= dt * rate
-            if left[s] <= 1e-15 or s == s_min:
-                done[s] = t
-                del left[s]
-    return done
 
 
 def _peak_inflight(spans: list[Span]) -> int:
