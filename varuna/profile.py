@@ -32,7 +32,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,8 @@ from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
 from varuna._netprofile import NETWORK_SIZES, profile_network
+from varuna._passes import _device_of, _micro_batch, _micro_len, _preserved
+from varuna._slowdown import measure_slowdown
 from varuna.costs import CostTable, NetworkCost, SegmentCost, model_signature
 from varuna.cutpoint import CutPoint, _handling
 from varuna.errors import ConfigError
@@ -123,27 +125,6 @@ def _diffs(marks: Sequence[float]) -> list[float]:
     return [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
 
 
-def _micro_len(batch: Mapping[str, Any]) -> int:
-    lengths = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    if not lengths or len(set(lengths.values())) > 1:
-        raise ConfigError(
-            f"example_batch must be a dict of tensors sharing the batch dimension (got {lengths or 'none'})"
-        )
-    return next(iter(lengths.values()))
-
-
-def _micro_batch(batch: Mapping[str, Any], size: int, device: torch.device) -> dict[str, Any]:
-    """The first `size` rows of `batch` (rows repeat cyclically if it has fewer), on `device`."""
-    n = _micro_len(batch)
-    out: dict[str, Any] = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            v = v[:size] if size <= n else v.index_select(0, torch.arange(size, device=v.device) % n)
-            v = v.to(device)
-        out[k] = v
-    return out
-
-
 def _check_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
     sizes = [int(m) for m in micro_batch_sizes]
     if not sizes or any(m < 1 for m in sizes) or len(set(sizes)) != len(sizes):
@@ -151,11 +132,6 @@ def _check_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
             f"micro_batch_sizes = {list(micro_batch_sizes)}; give distinct positive integers, e.g. 1,2,4"
         )
     return sorted(sizes)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    first = next(iter(model.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 def _param_split(
@@ -177,23 +153,6 @@ def _param_split(
             split[2][min(segs)] += p.numel() * opt_per_param
         tied += nbytes if len(segs) > 1 else 0
     return split, tied
-
-
-@contextlib.contextmanager
-def _preserved(model: nn.Module) -> Iterator[None]:
-    """Leave the model's gradients and the RNG streams as they were (profiling draws dropout masks)."""
-    grads = {p: p.grad for p in model.parameters()}
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        with torch.enable_grad():
-            yield
-    finally:
-        for p, g in grads.items():
-            p.grad = g
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _profile(
@@ -380,74 +339,6 @@ def profile_table(
         tied_bytes=tied,
         compute_slowdown=dict(compute_slowdown or {}),
     )
-
-
-def measure_slowdown(
-    model: nn.Module,
-    example_batch: Mapping[str, Any],
-    *,
-    micro_batch_size: int = 1,
-    repeats: int = 3,
-    rounds: int = 3,
-) -> dict[int, float]:
-    """Collective: n -> a rank's forward+backward time while ranks 0..n-1 all run it, over the
-    time with rank 0 running it alone, for n = 1 .. world size. Every rank returns the same table.
-
-    Each rank runs its own copy of `model` on a micro-batch of `micro_batch_size` rows. The n busy
-    ranks run passes back to back until a common deadline (about `repeats` passes' worth of
-    n-way sharing), so every timed pass overlaps all n-1 others for its whole length; a pass still
-    running at the deadline (when the others may have stopped) is not counted. Running for a fixed
-    number of passes instead lets the first rank done hand its core to the rest, which reads
-    sharing as cheaper than it is. A rank's time is the mean of its passes (time-slicing makes
-    some passes much longer than the typical one, and the median, which skips them, read 3 ranks
-    on 2 cores as 1.36-1.41x where sharing cannot be under 1.5x); n ranks' time is the one of
-    their mean rate, the harmonic mean. The host's speed drifts over seconds, so the counts 1..world
-    are measured in `rounds` interleaved rounds and each round's factors are over that round's
-    lone time; the table holds the median factor of the rounds. Gradients and RNG state are left
-    as they were.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    device = _device_of(model)
-    sync: Callable[[], None] = (
-        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    )
-    micro = _micro_batch(example_batch, micro_batch_size, device)
-
-    def one_pass() -> float:
-        sync()
-        t0 = time.perf_counter()
-        model(**micro).backward()
-        sync()
-        return time.perf_counter() - t0
-
-    factors: dict[int, list[float]] = {n: [] for n in range(1, world + 1)}
-    with _preserved(model):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p) if p.requires_grad else None
-        one_pass()  # warm-up on every rank
-        box = [statistics.median(one_pass() for _ in range(3)) if rank == 0 else 0.0]
-        dist.broadcast_object_list(box, src=0)
-        lone = float(box[0])
-        for _ in range(rounds):
-            per_n: list[float] = []
-            for n in range(1, world + 1):
-                dist.barrier()
-                mine = float("nan")
-                if rank < n:
-                    deadline = time.perf_counter() + max(repeats, 1) * n * lone
-                    times = []
-                    while True:
-                        t = one_pass()
-                        if time.perf_counter() > deadline:
-                            break
-                        times.append(t)
-                    mine = statistics.fmean(times) if times else t
-                every: list[Any] = [None] * world
-                dist.all_gather_object(every, mine)
-                per_n.append(n / sum(1.0 / x for x in every[:n]))  # the n ranks' mean rate
-            for n in range(1, world + 1):
-                factors[n].append(per_n[n - 1] / per_n[0])
-    return {n: statistics.median(f) for n, f in factors.items()}
 
 
 def run_profile(
