@@ -25,11 +25,11 @@ recomputes, as in the runtime).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from varuna._memory import _memory, format_bytes, parse_memory
 from varuna.costs import CostTable
 from varuna.errors import ConfigError
 from varuna.partition import balance
@@ -48,54 +48,11 @@ __all__ = [
 ]
 
 RejectKind = Literal["memory", "batch", "stages"]
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 _STEP_ALLREDUCE_BYTES = 64  # the per-step loss / overflow / stop-flag all-reduce
 
 
 class PlanError(ConfigError):
     """The planner cannot answer: bad resources, a profile of another model, nothing fits."""
-
-
-def parse_memory(text: str | int) -> int:
-    """Bytes in a size like "16GiB", "80 GB", "512MiB" or a plain number of bytes.
-
-    >>> parse_memory("16GiB")
-    17179869184
-    """
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _MEMORY_RE.match(text)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS and unit not in ("", "k", "m", "g", "t"):
-            raise PlanError(
-                f"cannot read the memory size {text!r}: give a number and a unit, e.g. 16GiB, 80GB or "
-                "512MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M, G, T mean KiB ... TiB)"
-            )
-        unit = {"": "b", "k": "kib", "m": "mib", "g": "gib", "t": "tib"}.get(unit, unit)
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise PlanError(f"the memory limit must be more than 0 bytes, got {text!r}; pass e.g. --memory 16GiB")
-    return value
-
-
-def format_bytes(n: float) -> str:
-    """A byte count for people: "17.2 GiB", "512.0 MiB", "80 B"."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -494,26 +451,3 @@ def _evaluate(
         memory_per_stage_bytes=_memory(table, stages, mbs, recompute, timeline.peak_inflight),
         timeline=timeline,
     )
-
-
-def _memory(
-    table: CostTable, stages: list[range], mbs: int, recompute: bool, inflight: list[int]
-) -> list[int]:
-    segs = table.segments
-    total_params = sum(s.param_bytes for s in segs)
-    state_per_param = sum(s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in segs) / max(
-        total_params, 1
-    )
-    out = []
-    for s, r in enumerate(stages):
-        static = sum(segs[j].param_bytes + segs[j].grad_bytes + segs[j].optimizer_bytes for j in r)
-        if s == len(stages) - 1 and s > 0:
-            static += int(table.tied_bytes * state_per_param)  # the last stage's copy of the tied weights
-        full = sum(segs[j].activation_memory_bytes[mbs] for j in r)
-        if recompute and s < len(stages) - 1:
-            held_input = segs[r[0] - 1].activation_bytes[mbs] if s > 0 else 0
-            activations = inflight[s] * held_input + full
-        else:
-            activations = inflight[s] * full
-        out.append(static + activations)
-    return out
