@@ -11,13 +11,12 @@ Construction traces one forward of the whole model to learn the CutPoint order a
 parameters each segment uses, chooses the stage boundaries (balanced by a measured profile by
 default), frees every parameter this rank's stage does not hold (they become meta tensors), and
 makes the process groups: one per stage across replicas for the data-parallel all-reduce, one
-per tied weight across its holders.
+per tied weight across its holders (`varuna._stage`). What a checkpoint holds for an exact resume,
+and the resume itself, are in `varuna._train_state`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import time
@@ -30,34 +29,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from varuna import _stage, _train_state
 from varuna import checkpoint as ckpt
 from varuna import distributed as vdist
 from varuna._files import write_json_atomic
 from varuna.comm import P2P, GradBuckets
 from varuna.config import VarunaConfig
 from varuna.costs import model_signature
-from varuna.cutpoint import SKIPPED, CutPoint
 from varuna.errors import CheckpointError, ConfigError
 from varuna.morph import MORPH_EXIT, StopRequest
-from varuna.partition import (
-    Partition,
-    Trace,
-    canonical_names,
-    cut_names,
-    make_partition,
-    profile_segments,
-    trace_model,
-)
+from varuna.partition import cut_names
 from varuna.precision import LossScaler, autocast_policy
 from varuna.runtime import StageRuntime, StepTimes
 from varuna.schedule import Action, lower, make_schedule, validate
 from varuna.telemetry import Telemetry  # telemetry
 
 __all__ = ["Varuna"]
-
-
-def _skip_forward(*args: Any, **kwargs: Any) -> Any:
-    return SKIPPED
 
 
 def _device() -> torch.device:
@@ -173,16 +160,19 @@ class Varuna:
         self.scaler = LossScaler(cfg.init_loss_scale) if cfg.precision == "fp16" else None
         self.model = model
 
-        self.trace = self._trace(model, example_batch)
-        self.partition = self._partition(model, example_batch)
+        micro = None if cfg.pipeline == 1 and example_batch is None else self._example(example_batch)
+        self.trace = _stage.trace(model, micro)
+        self.partition = _stage.partition(
+            model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast
+        )
         owned = set(self.partition.stage_params[self.stage])
-        self._strip(model, owned)
-        self._to_device(model)
-        self._params = self._owned_parameters(model)
-        self._make_groups()
+        _stage.strip(model, owned)
+        _stage.to_device(model, self.device)
+        self._params = _stage.owned_parameters(model)
+        self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage)
         self._resume_path = ckpt.resolve(cfg.resume, cfg.run_dir) if cfg.resume is not None else None
         if self._resume_path is None:  # a checkpoint overwrites every value anyway
-            self._broadcast_initial_values()
+            _stage.broadcast_initial_values(self._params, self.stage, self._dp_group, self._tied_groups)
 
         tied_names = {n for g in self.partition.tied for n in g.names}
         by_name = dict(self._params)
@@ -237,7 +227,18 @@ class Varuna:
         self.resume_info: dict[str, Any] | None = None
         self.last_checkpoint: dict[str, Any] | None = None
         if self._resume_path is not None:
-            self._resume(self._resume_path)
+            resumed = _train_state.resume(
+                self._resume_path,
+                cfg,
+                rank=self.rank,
+                world_size=self.world_size,
+                param_shapes=self.trace.param_shapes,
+                params=self._params,
+                scaler=self.scaler,
+            )
+            self.step_count, self._pending_optimizer = resumed.step, resumed.pending_optimizer
+            self._saved_optimizer_class = resumed.optimizer_class
+            self.resumed_from, self.resume_info = self._resume_path, resumed.info
         if self.rank == 0 and cfg.run_dir is not None:
             self._write_engine_info()
         self._telemetry = Telemetry.attach(self)  # telemetry: hello, ready; observes the runtime
@@ -250,132 +251,6 @@ class Varuna:
                 "Varuna can run a forward pass to find the CutPoints and what each stage uses"
             )
         return _slice_batch(example_batch, 0, self.config.micro_batch_size)
-
-    def _trace(self, model: nn.Module, example_batch: Mapping[str, Any] | None) -> Trace:
-        if self.config.pipeline == 1 and example_batch is None:
-            _, aliases = canonical_names(model)
-            shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-            return Trace(cut_names=[], param_segments={}, param_aliases=aliases, param_shapes=shapes)
-        return trace_model(model, self._example(example_batch))
-
-    def _partition(self, model: nn.Module, example_batch: Mapping[str, Any] | None) -> Partition:
-        cfg = self.config
-        boundaries = None if isinstance(cfg.partition, str) else list(cfg.partition)
-        costs = None
-        if boundaries is None and cfg.partition == "balanced" and cfg.pipeline > 1:
-            costs = self._segment_costs(model, self._example(example_batch))
-        return make_partition(
-            self.trace,
-            cfg.pipeline,
-            boundaries=boundaries,
-            segment_costs=costs,
-            shared_weights=cfg.shared_weights,
-        )
-
-    def _segment_costs(self, model: nn.Module, micro: dict[str, Any]) -> list[float]:
-        """Measured on rank 0 (cached in the run directory), broadcast so every rank agrees."""
-        cfg = self.config
-        key_src = json.dumps(
-            {
-                "params": sorted((n, list(s)) for n, s in self.trace.param_shapes.items()),
-                "cuts": self.trace.cut_names,
-                "batch": {k: list(v.shape) for k, v in micro.items() if isinstance(v, torch.Tensor)},
-                "precision": cfg.precision,
-                "threads": torch.get_num_threads(),
-            },
-            sort_keys=True,
-        )
-        key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-        cache = cfg.run_dir / "cache" / f"segments-{key}.json" if cfg.run_dir is not None else None
-        box: list[Any] = [None]
-        if self.rank == 0:
-            if cache is not None and cache.exists():
-                box[0] = json.loads(cache.read_text())["costs"]
-            else:
-                box[0] = profile_segments(model, micro, repeats=cfg.profile_repeats, autocast=self.autocast)
-                if cache is not None:
-                    write_json_atomic(cache, {"costs": box[0], "key": json.loads(key_src)})
-        if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        return [float(c) for c in box[0]]
-
-    def _strip(self, model: nn.Module, owned: set[str]) -> None:
-        """Replace every parameter this stage does not hold by a meta tensor; skip modules left empty."""
-        canon, _ = canonical_names(model)
-        replaced: dict[int, nn.Parameter] = {}
-        for module in model.modules():
-            for pname, p in list(module._parameters.items()):
-                if p is None or canon[id(p)] in owned:
-                    continue
-                if id(p) not in replaced:
-                    replaced[id(p)] = nn.Parameter(
-                        torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
-                    )
-                module._parameters[pname] = replaced[id(p)]
-
-        def visit(module: nn.Module) -> None:
-            params = list(module.parameters())
-            if params and all(p.is_meta for p in params) and not isinstance(module, CutPoint):
-                module.forward = _skip_forward  # type: ignore[method-assign]
-                for sub in module.modules():
-                    for bname, b in list(sub._buffers.items()):
-                        if b is not None:
-                            sub._buffers[bname] = torch.empty_like(b, device="meta")
-                return
-            for child in module.children():
-                visit(child)
-
-        for child in model.children():
-            visit(child)
-
-    def _to_device(self, model: nn.Module) -> None:
-        if self.device.type == "cpu":
-            return
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                if not t.is_meta:
-                    t.data = t.data.to(self.device)
-
-    def _owned_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """The real (not stripped) parameters, once each, under their first name."""
-        out, seen = [], set()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen or p.is_meta:
-                continue
-            seen.add(id(p))
-            out.append((name, p))
-        return out
-
-    def _make_groups(self) -> None:
-        """Every rank creates every group, in the same order (torch.distributed requires it)."""
-        P, D = self.config.pipeline, self.config.data
-        self._dp_group = None
-        if D > 1:
-            for s in range(P):
-                group = dist.new_group([r * P + s for r in range(D)])
-                if s == self.stage:
-                    self._dp_group = group
-        self._tied_groups: list[tuple[Any, Any, Any]] = []
-        for g in self.partition.tied:
-            ranks = [r * P + s for r in range(D) for s in g.stages]
-            pg = dist.new_group(ranks) if len(ranks) > 1 else None
-            self._tied_groups.append((g, pg, ranks))
-
-    def _broadcast_initial_values(self) -> None:
-        """Replica 0's values everywhere, and one value for every copy of a tied weight."""
-        params = dict(self._params)
-        with torch.no_grad():
-            if self._dp_group is not None:
-                for _, p in self._params:
-                    dist.broadcast(p.data, src=self.stage, group=self._dp_group)
-            for g, pg, _ranks in self._tied_groups:
-                if self.stage not in g.stages:
-                    continue
-                local = [params[n] for n in g.names if n in params]
-                if pg is not None:
-                    dist.broadcast(local[0].data, src=g.stages[0], group=pg)
-                for p in local[1:]:
-                    p.copy_(local[0])
 
     # public API --------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -533,79 +408,18 @@ class Varuna:
                     "checkpoint() needs a run directory (run_dir=... or `varuna run`) or a root"
                 )
             root = cfg.run_dir / "checkpoints"
-        t0 = time.perf_counter()
-        tensors: dict[str, torch.Tensor] = {f"model.{n}": p.detach() for n, p in self._params}
-        optim, groups = ckpt.optimizer_tensors(self.optimizer, self._params)
-        tensors |= optim
-        tensors[f"rng.rank{self.rank}"] = torch.get_rng_state()
-        extra = {
-            "format": ckpt.FORMAT,
-            "step": self.step_count,
-            "config": self.config_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "optimizer_groups": groups,
-            "optimizer_class": type(self.optimizer).__name__ if self.optimizer is not None else None,
-            "world": {"pipeline": cfg.pipeline, "data": cfg.data},
-        }
-        path, size = ckpt.save(
-            Path(root), self.step_count, tensors, extra, rank=self.rank, keep=cfg.checkpoint_keep
+        path, self.last_checkpoint = _train_state.save(
+            Path(root),
+            cfg,
+            self.config_dict(),
+            step=self.step_count,
+            rank=self.rank,
+            params=self._params,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            lr_scheduler=self.lr_scheduler,
         )
-        self.last_checkpoint = {
-            "path": str(path),
-            "bytes": size,
-            "seconds": time.perf_counter() - t0,
-            "step": self.step_count,
-        }
         return path
-
-    def _resume(self, path: Path) -> None:
-        cfg = self.config
-        t0 = time.perf_counter()
-        problem: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                ckpt.verify(path)
-            except CheckpointError as exc:
-                problem[0] = str(exc)
-        if self.world_size > 1:
-            dist.broadcast_object_list(problem, src=0)
-        if problem[0] is not None:
-            raise CheckpointError(problem[0])
-        extra = ckpt.read_extra(path)
-        saved_batch = extra["config"]["global_batch_size"]
-        if saved_batch != cfg.global_batch_size and not cfg.allow_batch_change:
-            raise CheckpointError(
-                f"checkpoint {path} was trained with global_batch_size={saved_batch}, this run asks for "
-                f"{cfg.global_batch_size}; a morph keeps the global batch so that the run stays the same "
-                "training. Use the same global_batch_size, or pass allow_batch_change=True to change it knowingly."
-            )
-        stored = ckpt.stored_tensors(path)
-        ckpt.check_model(stored, self.trace.param_shapes, path)
-        tensors: dict[str, torch.Tensor] = {f"model.{n}": p.data for n, p in self._params}
-        optim = ckpt.optimizer_placeholders(stored, self._params)
-        rng_key = f"rng.rank{self.rank}"
-        if rng_key in stored:
-            tensors[rng_key] = torch.empty(stored[rng_key][0], dtype=stored[rng_key][1])
-        # Every rank reads its own tensors. (Replica 0 reading once per stage and broadcasting was
-        # measured slower here: 4.4 s of gloo broadcasts for a 1.2 GB checkpoint against ~0 s saved.)
-        ckpt.load_tensors(path, tensors | optim)
-        if rng_key in tensors:
-            torch.set_rng_state(tensors[rng_key])
-        self.step_count = int(extra["step"])
-        if self.scaler is not None and extra.get("scaler"):
-            self.scaler.load_state_dict(extra["scaler"])
-        self._pending_optimizer = (optim, extra.get("optimizer_groups") or [], extra.get("lr_scheduler"))
-        self._saved_optimizer_class = extra.get("optimizer_class")
-        self.resumed_from = path
-        self.resume_info = {
-            "path": str(path),
-            "step": self.step_count,
-            "seconds": time.perf_counter() - t0,
-            "bytes": int(json.loads((path / "manifest.json").read_text())["bytes"]),
-        }
-        if self.rank == 0:
-            print(f"varuna: resumed from {path} at step {self.step_count}", flush=True)
 
     def _write_engine_info(self) -> None:
         assert self.config.run_dir is not None

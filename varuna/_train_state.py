@@ -1,0 +1,140 @@
+"""The engine's training state in a checkpoint: what `Varuna.checkpoint` saves and how it resumes.
+
+`varuna.checkpoint` is the layout (files, manifest, CRC-32s, tensors keyed by name); this module
+says which tensors and values make an exact resume: this rank's parameters ("model.<name>"), its
+optimizer state ("optim.<name>.<key>"), its RNG state ("rng.rank<r>"), and in `extra.pt` the
+step, the config, the loss scale, the LR scheduler and the optimizer's hyper-parameters and class.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from varuna import checkpoint as ckpt
+from varuna.config import VarunaConfig
+from varuna.errors import CheckpointError
+from varuna.precision import LossScaler
+
+
+def save(
+    root: Path,
+    config: VarunaConfig,
+    config_dict: dict[str, Any],
+    *,
+    step: int,
+    rank: int,
+    params: list[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer | None,
+    scaler: LossScaler | None,
+    lr_scheduler: Any,
+) -> tuple[Path, dict[str, Any]]:
+    """Collective: save this rank's share under `root`; the checkpoint's path and its record
+    (`Varuna.last_checkpoint`: path, bytes, seconds, step)."""
+    t0 = time.perf_counter()
+    tensors: dict[str, torch.Tensor] = {f"model.{n}": p.detach() for n, p in params}
+    optim, groups = ckpt.optimizer_tensors(optimizer, params)
+    tensors |= optim
+    tensors[f"rng.rank{rank}"] = torch.get_rng_state()
+    extra = {
+        "format": ckpt.FORMAT,
+        "step": step,
+        "config": config_dict,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "optimizer_groups": groups,
+        "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+        "world": {"pipeline": config.pipeline, "data": config.data},
+    }
+    path, size = ckpt.save(root, step, tensors, extra, rank=rank, keep=config.checkpoint_keep)
+    record = {
+        "path": str(path),
+        "bytes": size,
+        "seconds": time.perf_counter() - t0,
+        "step": step,
+    }
+    return path, record
+
+
+@dataclass(kw_only=True, slots=True)
+class Resumed:
+    """What a resume hands back to the engine."""
+
+    step: int
+    """The step the checkpoint was saved after."""
+    pending_optimizer: tuple[dict[str, torch.Tensor], list[dict[str, Any]], Any]
+    """Optimizer state tensors, its groups' hyper-parameters and the LR scheduler's state, applied
+    once the script calls `set_optimizer`."""
+    optimizer_class: str | None
+    """The saved optimizer's class name, which `set_optimizer` checks."""
+    info: dict[str, Any]
+    """`Varuna.resume_info`: path, step, seconds, bytes."""
+
+
+def resume(
+    path: Path,
+    config: VarunaConfig,
+    *,
+    rank: int,
+    world_size: int,
+    param_shapes: dict[str, tuple[int, ...]],
+    params: list[tuple[str, nn.Parameter]],
+    scaler: LossScaler | None,
+) -> Resumed:
+    """Collective: check the checkpoint at `path` (on rank 0, the verdict broadcast), load this
+    rank's parameters, optimizer state and RNG state from it, and restore the loss scale."""
+    t0 = time.perf_counter()
+    problem: list[Any] = [None]
+    if rank == 0:
+        try:
+            ckpt.verify(path)
+        except CheckpointError as exc:
+            problem[0] = str(exc)
+    if world_size > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+    extra = ckpt.read_extra(path)
+    saved_batch = extra["config"]["global_batch_size"]
+    if saved_batch != config.global_batch_size and not config.allow_batch_change:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with global_batch_size={saved_batch}, this run asks for "
+            f"{config.global_batch_size}; a morph keeps the global batch so that the run stays the same "
+            "training. Use the same global_batch_size, or pass allow_batch_change=True to change it knowingly."
+        )
+    stored = ckpt.stored_tensors(path)
+    ckpt.check_model(stored, param_shapes, path)
+    tensors: dict[str, torch.Tensor] = {f"model.{n}": p.data for n, p in params}
+    optim = ckpt.optimizer_placeholders(stored, params)
+    rng_key = f"rng.rank{rank}"
+    if rng_key in stored:
+        tensors[rng_key] = torch.empty(stored[rng_key][0], dtype=stored[rng_key][1])
+    # Every rank reads its own tensors. (Replica 0 reading once per stage and broadcasting was
+    # measured slower here: 4.4 s of gloo broadcasts for a 1.2 GB checkpoint against ~0 s saved.)
+    ckpt.load_tensors(path, tensors | optim)
+    if rng_key in tensors:
+        torch.set_rng_state(tensors[rng_key])
+    step = int(extra["step"])
+    if scaler is not None and extra.get("scaler"):
+        scaler.load_state_dict(extra["scaler"])
+    info = {
+        "path": str(path),
+        "step": step,
+        "seconds": time.perf_counter() - t0,
+        "bytes": int(json.loads((path / "manifest.json").read_text())["bytes"]),
+    }
+    if rank == 0:
+        print(f"varuna: resumed from {path} at step {step}", flush=True)
+    return Resumed(
+        step=step,
+        pending_optimizer=(optim, extra.get("optimizer_groups") or [], extra.get("lr_scheduler")),
+        optimizer_class=extra.get("optimizer_class"),
+        info=info,
+    )
