@@ -165,13 +165,15 @@ def _steps(spec: dict[str, Any], c: dict[str, Any], batches: list[dict[str, torc
     return [round(t, 5) for t in slowest[spec["warmup"] :]]
 
 
-def _fresh_then_steps(
+def _bracketed_steps(
     spec: dict[str, Any], c: dict[str, Any], batches: list[dict[str, torch.Tensor]], table: Any
 ) -> tuple[Any, list[float]]:
-    """The round's profile with its per-segment compute at `c`'s micro-batch size measured again
-    just now (rank 0, the others waiting), then `_steps`: the host's speed moves within seconds, so
-    compute timed seconds before a configuration describes the host it runs on better than compute
-    timed at the start of the round (the network and the slowdown table stay the round's)."""
+    """`_steps` of `c` bracketed by two profiles of the model's compute at `c`'s micro-batch size
+    (rank 0, the others waiting), and the round's profile with its per-segment compute replaced by
+    the mean of the two. The host's speed moves within seconds (the same 30 passes took 1.53 and
+    1.80 s ten seconds apart), so compute timed around a configuration describes the host it ran
+    on better than compute timed at the start of the round; one profile just before still missed
+    by 15-20% either way in single rounds. The network and the slowdown table stay the round's."""
     import dataclasses
 
     import torch.distributed as dist
@@ -180,21 +182,37 @@ def _fresh_then_steps(
     from varuna.profile import profile_model
 
     m = c["micro_batch_size"]
+    rank = dist.get_rank()
+
+    def profile() -> Any:
+        if rank != 0:
+            return None
+        return profile_model(_model(spec["model"]), batches[0], micro_batch_sizes=(m,), repeats=spec["repeats"],
+                             progress=False)  # fmt: skip
+
+    before = profile()
+    dist.barrier()
+    steps = _steps(spec, c, batches)
+    after = profile()
     box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        now = profile_model(_model(spec["model"]), batches[0], micro_batch_sizes=(m,), repeats=spec["repeats"],
-                            progress=False)  # fmt: skip
+    if rank == 0:
+
+        def mean(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+            return {k: (a[k] + b[k]) / 2 for k in a}
+
         segments = [
             dataclasses.replace(
-                old, forward_s=old.forward_s | new.forward_s, backward_s=old.backward_s | new.backward_s,
-                recompute_s=(old.recompute_s or old.forward_s) | (new.recompute_s or new.forward_s),
-                update_s=new.update_s,
+                old, forward_s=old.forward_s | mean(x.forward_s, y.forward_s),
+                backward_s=old.backward_s | mean(x.backward_s, y.backward_s),
+                recompute_s=(old.recompute_s or old.forward_s)
+                | mean(x.recompute_s or x.forward_s, y.recompute_s or y.forward_s),
+                update_s=(x.update_s + y.update_s) / 2,
             )
-            for old, new in zip(table.segments, now)
+            for old, x, y in zip(table.segments, before, after)
         ]  # fmt: skip
         box[0] = dataclasses.replace(table, segments=segments).to_json()
     dist.broadcast_object_list(box, src=0)
-    return CostTable.from_json(box[0]), _steps(spec, c, batches)
+    return CostTable.from_json(box[0]), steps
 
 
 class _Retries:
@@ -258,7 +276,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         )
         for c, kept in zip(spec["configs"], rounds):
             (fresh, steps), seen = retries.run(
-                f"{_name(c)} round {r + 1}", functools.partial(_fresh_then_steps, spec, c, batches, table)
+                f"{_name(c)} round {r + 1}", functools.partial(_bracketed_steps, spec, c, batches, table)
             )
             predicted, from_round = (
                 predict(

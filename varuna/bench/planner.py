@@ -13,8 +13,8 @@
                  that size with exactly the planner's choice (same boundaries)
     4. predict   `varuna.plan.predict` of each configuration, with its boundaries, from the profile
                  of its round whose per-segment compute at the configuration's micro-batch size is
-                 profiled again (`varuna.profile.profile_model`) right before the configuration
-                 runs. This host's speed drifts by 10-40% over minutes even with nothing else
+                 the mean of two profiles (`varuna.profile.profile_model`) taken right before and
+                 right after the configuration runs. This host's speed drifts by 10-40% over minutes even with nothing else
                  running in the VM (seen here: the model's forward+backward profiled at 0.094,
                  0.108 and 0.132 s within four minutes of one run, and 1.53 against 1.80 s for the
                  same 30 passes ten seconds apart), so a profile taken minutes before a
@@ -351,8 +351,8 @@ def run(bench: PlannerBench) -> dict[str, Any]:
             "error": "predicted_s / measured_s - 1",
             "predicted_s": "median over the same rounds of varuna.plan.predict of the configuration "
             "(with its boundaries) from the profile taken at the start of the round, its per-segment "
-            "compute at the configuration's micro-batch size profiled again just before the "
-            "configuration runs (predicted_s_round_profile: without that refresh)",
+            "compute at the configuration's micro-batch size the mean of two profiles taken right "
+            "before and right after the configuration runs (predicted_s_round_profile: without them)",
         },
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
