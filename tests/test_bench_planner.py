@@ -119,6 +119,10 @@ def test_planner_bench_quick_reports_every_configuration() -> None:
         assert c["predicted_s"] > 0 and c["measured_s"] > 0
         assert c["error"] == pytest.approx(c["predicted_s"] / c["measured_s"] - 1)
         assert c["rounds"] and all(r["step_s"] for r in c["rounds"])
+        assert c["predicted_s_round_profile"] > 0
+    # every prediction uses the compute profiled around its configuration, not the round's
+    rounds = [r for c in configs for r in c["rounds"]]
+    assert any(r["predicted_s"] != r["predicted_s_round_profile"] for r in rounds)
     assert report["max_abs_error"] == pytest.approx(max(abs(c["error"]) for c in configs))
     assert set(report["profile"]["compute_slowdown"]) == {"1", "2", "3", "4"}
     assert "mean |error|" in proc.stderr and "best gap" in proc.stderr  # the table
