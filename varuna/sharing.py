@@ -39,8 +39,9 @@ class Sharing:
     """n busy ranks -> compute-time factor (`CostTable.compute_slowdown`); missing n interpolate."""
     delivery: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     """n busy ranks -> {"F": s, "B": s}, how much later than the transfer time an activation or a
-    gradient reaches a waiting stage while n ranks compute, the sender among them
-    (`NetworkCost.delivery_s`); {} means the fixed DELAY_F / DELAY_B of `message_s`."""
+    gradient reaches a waiting stage while n ranks compute, the sender among them, and optionally
+    "SEND_F" / "SEND_B", how long a send keeps its sender busy (`NetworkCost.delivery_s`); {} means
+    the fixed DELAY_F / DELAY_B (and SEND_F / SEND_B) of `message_s`."""
 
     def factor(self, busy: int) -> float:
         """The compute-time factor with `busy` ranks computing at once (>= 1 means slower)."""
@@ -48,14 +49,18 @@ class Sharing:
 
     def delay(self, kind: str, busy: int) -> float:
         """The delivery delay of a value of `kind` ("F" or "B") sent while `busy` ranks compute."""
-        return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery.items()}, busy, one=None)
+        return self._column(kind, busy)
 
     def send(self, kind: str, busy: int) -> float | None:
         """Seconds a send of `kind` ("SEND_F" or "SEND_B") keeps the sender busy while `busy` - 1
         other ranks compute; None where the delivery table does not say (then `message_s`)."""
         if not self.delivery or not all(kind in d for d in self.delivery.values()):
             return None
-        return CostTable.slowdown_of({n: d[kind] for n, d in self.delivery.items()}, busy, one=None)
+        return self._column(kind, busy)
+
+    def _column(self, key: str, busy: int) -> float:
+        """`delivery`'s `key` column interpolated in the busy count."""
+        return CostTable.slowdown_of({n: d[key] for n, d in self.delivery.items()}, busy, one=None)
 
     def matters(self, num_stages: int) -> bool:
         """Whether any reachable busy count changes a duration or a delivery."""
