@@ -183,12 +183,14 @@ def _bracketed_steps(
 
     m = c["micro_batch_size"]
     rank = dist.get_rank()
+    model = _model(spec["model"]) if rank == 0 else None  # profile_model leaves it as it was
 
     def profile() -> Any:
-        if rank != 0:
+        if model is None:
             return None
-        return profile_model(_model(spec["model"]), batches[0], micro_batch_sizes=(m,), repeats=spec["repeats"],
-                             progress=False)  # fmt: skip
+        return profile_model(
+            model, batches[0], micro_batch_sizes=(m,), repeats=spec["repeats"], progress=False
+        )
 
     before = profile()
     dist.barrier()
