@@ -12,16 +12,15 @@ Collective: every rank of the job calls `profile_network()`; all get the same `N
 from __future__ import annotations
 
 import functools
-import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from varuna.costs import NetworkCost
+from varuna.distributed import host_layout
 from varuna.errors import ConfigError
 
 __all__ = ["profile_network", "NETWORK_SIZES"]
@@ -184,9 +183,8 @@ def _delivery(
     """
     from varuna.comm import P2P
 
-    hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
-    if hosts[0] != hosts[1] or world < 2:
+    hosts = [h for h, _ in host_layout()]
+    if world < 2 or hosts[0] != hosts[1]:
         return {}
     out = torch.zeros(max(world - 1, 1), 4, dtype=torch.float64, device=device)
     p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device) if rank == 1 else None

@@ -6,8 +6,6 @@ On a CPU host with fewer cores than ranks this is about n / cores; the planner r
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -18,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna._passes import _device_of, _micro_batch, _preserved
+from varuna.distributed import host_layout
 
 __all__ = ["measure_slowdown"]
 
@@ -93,18 +92,7 @@ def measure_slowdown(
             for n in range(1, world + 1):
                 factors[n].append(per_n[n - 1] / per_n[0])
     table = {n: statistics.median(f) for n, f in factors.items()}
-    return _at_least_time_sharing(table, _hosts())
-
-
-def _hosts() -> list[tuple[str, int]]:
-    """Collective: every rank's (host name, cores this process may run on)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (socket.gethostname(), cores))
-    return [tuple(x) for x in every]
+    return _at_least_time_sharing(table, host_layout())
 
 
 def _at_least_time_sharing(table: dict[int, float], hosts: list[tuple[str, int]]) -> dict[int, float]:

@@ -31,6 +31,7 @@ from typing import Any
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = [
+    "host_layout",
     "LaunchEnv",
     "launch_env",
     "placement",
@@ -157,6 +158,20 @@ def _import_mpi() -> Any:
     from mpi4py import MPI
 
     return MPI
+
+
+def host_layout() -> list[tuple[str, int]]:
+    """Collective (torch.distributed): every rank's (host name, cores this process may run on),
+    in rank order; the profile reads it to tell ranks sharing a host's cores apart from others."""
+    import torch.distributed as dist
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), cores))
+    return [(str(h), int(c)) for h, c in every]
 
 
 def _sleepy_barrier(comm: Any) -> None:
