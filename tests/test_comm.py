@@ -63,3 +63,37 @@ def test_an_arrival_is_seen_without_waiting_for_it(tmp_path: Path) -> None:
     assert sender["grad_ready_at_once"] is False
     assert sender["grad_after_s"] is not None and sender["grad_after_s"] > 0.1
     assert sender["grad"] == (2 * torch.arange(12.0).reshape(3, 4)).tolist()
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_activations_go_to_receives_posted_early_and_shape_changes_still_arrive(tmp_path: Path) -> None:
+    """After the first step an activation moves to receives posted with its previous shape (so it
+    travels while the receiver computes); a micro-batch whose shape changes, a tuple with an int
+    tensor, and both receiving paths (with and without the watcher threads) still deliver exactly."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    script = str(REPO / "tests" / "scripts" / "p2p_early.py")
+    argv = [
+        sys.executable,
+        "-m",
+        "varuna",
+        "run",
+        "--pipeline",
+        "2",
+        "--run-dir",
+        "run",
+        "--timeout",
+        "90",
+        script,
+    ]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = {}
+    for line in done.stdout.splitlines():
+        if "EARLY " in line:
+            seen[int(line.split("[rank ")[1].split()[0])] = json.loads(line.split("EARLY ", 1)[1])
+    for watch in ("0", "1"):
+        assert seen[0][watch]["wrong"] == [] and seen[1][watch]["wrong"] == []
+        # 5 steps x 3 micro-batches: step 0 has no early receives; micro-batch 1 changes shape at
+        # step 3 and back at step 4, so it misses twice: 15 - 3 - 2 = 10
+        assert seen[0][watch]["early"] == 10

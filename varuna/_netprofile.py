@@ -100,9 +100,9 @@ def _messages(
         RECV_B   rank 0 receives it, sent while it was computing
         DELAY_F  how much later than `transfer_s` an activation reaches a stage waiting for it: a
                  round trip (activation there, gradient back) with both ranks waiting, less the
-                 four costs above and two transfers. The gradient's receive is posted early, a
-                 plain message; the activation's data is posted only once its header is read and
-                 then needs the sender's transfer thread, and each hop wakes a sleeping rank.
+                 four costs above and two transfers: each hop wakes a sleeping rank. Both
+                 receives are posted before the value is sent, as in a step after the first
+                 (the activation's to the receives posted early with its shape, `varuna.comm`).
 
     The arrival report is what the runtime's pull-ahead asks (`P2P.activation_ready`): gloo's
     receives say "not completed" until waited for, however long the message has been there.
@@ -117,19 +117,21 @@ def _messages(
         act = torch.randn(max(nbytes // 4, 1), device=device)
         samples: list[list[float]] = [[], [], [], [], []]
         reported = 0
+        # two micro-batch slots, reused as a step reuses its micro-batches: from the second round
+        # on, an activation goes to the receives posted early with its shape (`varuna.comm`)
         for m in range(2 * (repeats + 1)):
             busy = m % 2 == 0  # even: the costs with the other rank computing; odd: a round trip
             if rank == 1:
-                p2p.post_activation_header(m)
+                p2p.post_activation_header(m % 2)
             dist.barrier(group=group)
             if rank == 0:
                 t0 = time.perf_counter()
-                p2p.send_activation(m, act)
+                p2p.send_activation(m % 2, act)
                 t1 = time.perf_counter()
                 if busy:
                     _busy(2 * busy_s, work)
                 t2 = time.perf_counter()
-                p2p.recv_grad(m)
+                p2p.recv_grad(m % 2)
                 t3 = time.perf_counter()
                 if m >= 2:
                     if busy:
@@ -140,13 +142,13 @@ def _messages(
             else:
                 if busy:
                     _busy(busy_s, work)  # the header arrives meanwhile
-                    reported += p2p.activation_ready(m)
+                    reported += p2p.activation_ready(m % 2)
                 t0 = time.perf_counter()
-                value = p2p.recv_activation(m)
+                value = p2p.recv_activation(m % 2)
                 t1 = time.perf_counter()
                 value.grad = torch.ones_like(value)
                 t2 = time.perf_counter()
-                p2p.send_grad(m, value)
+                p2p.send_grad(m % 2, value)
                 t3 = time.perf_counter()
                 if m >= 2 and busy:
                     samples[1].append(t1 - t0)
@@ -174,10 +176,11 @@ def _delivery(
     after a send, and n - 1 others), and how long the send itself keeps the sender busy, for
     n = 1 .. world - 1; {} when ranks 0 and 1 are on different hosts.
 
-    On a host with fewer cores than busy ranks this is the scheduler's doing, not the wire's: an
-    activation's data is sent only once the receiver has read its header and asked for it, which
-    needs a thread of the computing sender to get a core, and the waiting rank needs one to wake
-    up; seen here at 4 ranks on 2 cores, 2-7 ms per activation where the idle round trip says 0.6.
+    On a host with fewer cores than busy ranks this is the scheduler's doing, not the wire's: the
+    transport's threads of the computing sender and of the receiver need a core, and the waiting
+    rank needs one to wake up; seen here at 4 ranks on 2 cores, 2-7 ms per activation where the
+    idle round trip says 0.6 (when an activation's data was still sent only once the receiver
+    had read its header and asked for it; now its receive is posted early, as in the runtime).
     The sender stamps the value with its clock and the receiver reads the stamp when the value is
     in, so both must share a monotonic clock: ranks on one host.
     """
@@ -190,11 +193,10 @@ def _delivery(
     p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device) if rank == 1 else None
     work = torch.randn(64, 64, device=device)
     stamp = torch.zeros(max(nbytes // 8, 1), dtype=torch.float64, device=device)
-    m = 0
+    m = 0  # one micro-batch slot throughout: after the first message, sent to early receives
     for n in range(1, world):
         samples: list[list[float]] = [[], [], [], []]  # delivery F, B; send F, B
         for rep in range(repeats + 1):
-            m += 1
             if rank == 1:
                 p2p.post_activation_header(m)  # type: ignore[union-attr]
             dist.barrier()

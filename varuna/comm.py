@@ -8,6 +8,14 @@ A value at a cut is a tensor or a tuple of tensors whose shapes may change from 
 Gradients flow back with exactly the shapes of the activations sent, so they need no header and
 their receives are posted as soon as the activation leaves, overlapping with compute.
 
+gloo and NCCL move a message only once its receive is posted. So that an activation too moves
+while the receiving stage still computes, the receiver posts the receives of micro-batch m's
+tensors at the start of the step with the shapes m had in the previous step, on their own tags
+("early" receives). Both ends keep the last header of every m: when the new header equals it,
+the sender sends the tensors to the early receives; when it differs (or for the first step, with
+no early receives), it sends the tensors after the header as usual, and placeholders of the old
+shapes to any early receives, so that no receive is left posted with the wrong size.
+
 Tags keep the streams apart: one pair of neighbouring ranks carries activations one way and
 gradients the other; within a stream messages match in order (FIFO), and the tag also carries
 the micro-batch index so a mismatch fails loudly instead of silently pairing wrong tensors.
@@ -51,7 +59,8 @@ _DTYPES = [
     torch.bool,
 ]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-_SLOTS = 64  # tag = microbatch * _SLOTS + slot; slot 0 = header, 1.. activations, 32.. gradients
+_SLOTS = 128  # tag = microbatch * _SLOTS + slot: 0 header, 1.. activations, 32.. gradients, 64.. early
+_LATE, _GRAD, _EARLY = 1, 32, 64
 
 Value = Any  # a tensor or a tuple of tensors
 
@@ -152,7 +161,9 @@ class _Pending:
     buffers: list[torch.Tensor]
     arrival: _Arrival | None = None
     data: list[torch.Tensor] | None = None
-    """An activation's tensors, once the watcher has posted their receives (after the header)."""
+    """An activation's tensors, once known to be in the early receives or posted after the header."""
+    early: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+    """The header the early receives were posted for and their tensors (in `works`, after the header)."""
 
     def ready(self) -> bool:
         if self.arrival is not None:
@@ -191,26 +202,45 @@ class P2P:
         self._from_next = _Watcher("varuna-p2p-from-next") if watch and next_rank is not None else None
         self._headers: dict[int, _Pending] = {}
         self._grads: dict[int, _Pending] = {}
+        self._last_in: dict[int, torch.Tensor] = {}  # micro-batch -> the header it last came with
+        self._last_out: dict[int, torch.Tensor] = {}  # micro-batch -> the header it was last sent with
         self._sends: list[Any] = []
         self.idle_s = 0.0
         self.comm_s = 0.0
         self.bytes_sent = 0
+        self.early_received = 0  # activations that came in the receives posted early with their shape
 
     # activations -------------------------------------------------------------------------------
     def post_activation_header(self, mb: int) -> None:
-        """Start receiving micro-batch `mb`'s header early, so waiting later costs nothing."""
+        """Start receiving micro-batch `mb`'s header early, and its tensors too with the shapes
+        of the previous step's `mb`, so waiting later costs nothing."""
         assert self.prev is not None
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         works = [dist.irecv(buf, self.prev, tag=mb * _SLOTS)]
         pending = self._headers[mb] = _Pending(works, [buf])
+        last = self._last_in.get(mb)
+        if last is not None:
+            tensors = self._empty(last)
+            works += [dist.irecv(t, self.prev, tag=mb * _SLOTS + _EARLY + i) for i, t in enumerate(tensors)]
+            pending.early = (last, tensors)
         if self._from_prev is not None:
             pending.arrival = self._from_prev.watch(works, then=lambda: self._post_data(mb, pending))
 
+    def _empty(self, header: torch.Tensor) -> list[torch.Tensor]:
+        specs, _ = decode_header(header)
+        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+
     def _post_data(self, mb: int, pending: _Pending) -> list[Any]:
-        """Post the receives of micro-batch `mb`'s tensors, whose header `pending` holds."""
-        specs, _ = decode_header(pending.buffers[0])
-        pending.data = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
-        return [dist.irecv(t, self.prev, tag=mb * _SLOTS + 1 + i) for i, t in enumerate(pending.data)]
+        """Micro-batch `mb`'s tensors, whose header `pending` holds: the early receives' if it
+        matches theirs (nothing more to wait for), else receives posted now."""
+        header = pending.buffers[0]
+        self._last_in[mb] = header
+        if pending.early is not None and torch.equal(header, pending.early[0]):
+            pending.data = pending.early[1]
+            self.early_received += 1
+            return []
+        pending.data = self._empty(header)
+        return [dist.irecv(t, self.prev, tag=mb * _SLOTS + _LATE + i) for i, t in enumerate(pending.data)]
 
     def activation_ready(self, mb: int) -> bool:
         """Whether micro-batch `mb`'s activation has arrived (with a watcher: all of it; without,
@@ -247,11 +277,21 @@ class P2P:
         header = encode_header(tensors, is_tuple).to(self.device)
         t0 = time.perf_counter()
         self._sends.append((dist.isend(header, self.next, tag=mb * _SLOTS), header))
+        last = self._last_out.get(mb)
+        early = last is not None and torch.equal(header, last)
+        if last is not None and not early:  # the early receives wait for the old shapes: fill them
+            placeholders = [
+                torch.zeros(shape, dtype=dtype, device=self.device) for dtype, shape in decode_header(last)[0]
+            ]
+            for i, t in enumerate(placeholders):
+                self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + _EARLY + i), t))
+        self._last_out[mb] = header
+        slot = _EARLY if early else _LATE
         for i, t in enumerate(tensors):
-            self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + 1 + i), t))
+            self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + slot + i), t))
             self.bytes_sent += t.numel() * t.element_size()
         grads = [torch.empty_like(t) for t in tensors if _floating(t)]
-        works = [dist.irecv(g, self.next, tag=mb * _SLOTS + 32 + i) for i, g in enumerate(grads)]
+        works = [dist.irecv(g, self.next, tag=mb * _SLOTS + _GRAD + i) for i, g in enumerate(grads)]
         arrival = self._from_next.watch(works) if self._from_next is not None and works else None
         self._grads[mb] = _Pending(works, grads, arrival)
         self.comm_s += time.perf_counter() - t0
@@ -277,7 +317,7 @@ class P2P:
         for i, t in enumerate(x for x in tensors if _floating(x)):
             g = t.grad if t.grad is not None else torch.zeros_like(t)
             g = g.contiguous()
-            self._sends.append((dist.isend(g, self.prev, tag=mb * _SLOTS + 32 + i), g))
+            self._sends.append((dist.isend(g, self.prev, tag=mb * _SLOTS + _GRAD + i), g))
             self.bytes_sent += g.numel() * g.element_size()
         self.comm_s += time.perf_counter() - t0
 

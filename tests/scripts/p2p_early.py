@@ -1,0 +1,75 @@
+"""comm test helper (2 ranks): activations sent to the receives posted early with their shape.
+
+Rank 1 (first stage) sends 3 micro-batches per "step" for 5 steps; micro-batch 1 changes shape at
+step 3 and back at step 4, micro-batch 2 is a tuple with an int64 tensor. Rank 0 checks every value
+and gradient round trip and prints, per run (gloo without and with the watcher threads), how many
+activations came in early receives, as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from varuna.comm import P2P
+
+STEPS, MICRO = 5, 3
+
+
+def value(step: int, mb: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    rows = 5 if (mb == 1 and step == 3) else 3
+    x = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + 100 * step + mb
+    if mb == 2:
+        return (x, torch.arange(6, dtype=torch.int64) * step)
+    return x
+
+
+def run(rank: int) -> dict[str, object]:
+    device = torch.device("cpu")
+    wrong: list[str] = []
+    if rank == 1:
+        p2p = P2P(None, 0, device)
+        for step in range(STEPS):
+            dist.barrier()
+            for mb in range(MICRO):
+                p2p.send_activation(mb, value(step, mb))
+            for mb in range(MICRO):
+                first = value(step, mb)
+                first = first[0] if isinstance(first, tuple) else first
+                if not torch.equal(p2p.recv_grad(mb)[0], 2 * first):
+                    wrong.append(f"grad step {step} mb {mb}")
+            p2p.finish()
+    else:
+        p2p = P2P(1, None, device)
+        for step in range(STEPS):
+            for mb in range(MICRO):
+                p2p.post_activation_header(mb)  # as the runtime does at the start of a step
+            dist.barrier()
+            for mb in range(MICRO):
+                got, want = p2p.recv_activation(mb), value(step, mb)
+                pairs = zip(got, want) if isinstance(want, tuple) else [(got, want)]
+                if not all(torch.equal(g.detach(), w) for g, w in pairs):
+                    wrong.append(f"value step {step} mb {mb}")
+                first = got[0] if isinstance(got, tuple) else got
+                first.grad = 2 * first.detach()
+                p2p.send_grad(mb, got)
+            p2p.finish()
+    p2p.close()
+    return {"early": p2p.early_received, "wrong": wrong}
+
+
+def main() -> None:
+    rank = dist.get_rank()
+    seen = {}
+    for watch in ("0", "1"):
+        os.environ["VARUNA_P2P_WATCH"] = watch
+        seen[watch] = run(rank)
+        dist.barrier()
+    print("EARLY " + json.dumps(seen), flush=True)
+
+
+if __name__ == "__main__":
+    main()
