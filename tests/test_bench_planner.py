@@ -75,6 +75,9 @@ def test_the_full_preset_covers_what_the_issue_asks() -> None:
     assert len(configs) >= 6
     assert {(P, D) for P, D, _, _ in configs} == {(1, 2), (2, 1), (2, 2), (4, 1)}
     assert len({m for _, _, m, _ in configs}) == 2 and len({s for _, _, _, s in configs}) == 2
+    # at 1x2 the two schedules run the same actions: measured once per micro-batch size, as 1F1B
+    assert sorted((m, s) for P, _, m, s in configs if P == 1) == [(2, "1f1b"), (4, "1f1b")]
+    assert len(configs) == 14 and len(set(configs)) == 14
 
 
 def test_bad_settings_name_the_fix() -> None:

@@ -33,7 +33,7 @@ from varuna._memory import _memory, format_bytes, parse_memory
 from varuna.costs import CostTable
 from varuna.errors import ConfigError
 from varuna.partition import balance
-from varuna.schedule import SCHEDULES, ScheduleName
+from varuna.schedule import SCHEDULES, ScheduleName, lower, make_schedule
 from varuna.simulate import Sharing, StageCost, Timeline, simulate
 
 __all__ = [
@@ -238,7 +238,9 @@ def plan(
     """Rank every configuration for `gpus` devices of `memory_bytes` (or "16GiB") each.
 
     See the module docstring for the model. With P=1 recompute changes nothing (the last stage never
-    recomputes), so P=1 candidates carry recompute=False.
+    recomputes), so P=1 candidates carry recompute=False. Schedules that run the very same actions
+    at a shape (at P=1, 1F1B and Varuna's: F B per micro-batch) are one candidate, under the first
+    of `schedules` that gives it.
 
     `micro_batch_sizes` and `pipelines` restrict the search to those values (what a user fixed).
 
@@ -288,8 +290,13 @@ def plan(
                     Rejected(pipeline=pipeline, data=data, micro_batch_size=mbs, kind="batch", reason=reason)
                 )
                 continue
+            seen: set[tuple[Any, ...]] = set()
             for schedule in schedules:
                 for recompute in dict.fromkeys(bool(r) and pipeline > 1 for r in recompute_options):
+                    same = _runs_as(schedule, pipeline, global_batch_size // (data * mbs), recompute)
+                    if same in seen:
+                        continue
+                    seen.add(same)
                     cand = _evaluate(table, pipeline, data, mbs, schedule, recompute, global_batch_size)
                     need = cand.max_memory_bytes
                     if need <= memory_bytes:
@@ -385,6 +392,13 @@ def predict(
         table, pipeline, data, micro_batch_size, schedule, recompute and pipeline > 1, global_batch_size,
         boundaries,
     )  # fmt: skip
+
+
+def _runs_as(schedule: ScheduleName, pipeline: int, microbatches: int, recompute: bool) -> tuple[Any, ...]:
+    """What the runtime does for `schedule` at a shape: its lowered action lists, and whether it
+    pulls forwards ahead (Varuna's, with a stage to wait for)."""
+    lowered = lower(make_schedule(schedule, pipeline, microbatches, recompute=recompute))
+    return (tuple(tuple(lowered[s]) for s in sorted(lowered)), schedule == "varuna" and pipeline > 1)
 
 
 def _evaluate(
