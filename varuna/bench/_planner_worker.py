@@ -168,12 +168,17 @@ def _steps(spec: dict[str, Any], c: dict[str, Any], batches: list[dict[str, torc
 def _bracketed_steps(
     spec: dict[str, Any], c: dict[str, Any], batches: list[dict[str, torch.Tensor]], table: Any
 ) -> tuple[Any, list[float]]:
-    """`_steps` of `c` bracketed by two profiles of the model's compute at `c`'s micro-batch size
-    (rank 0, the others waiting), and the round's profile with its per-segment compute replaced by
-    the mean of the two. The host's speed moves within seconds (the same 30 passes took 1.53 and
-    1.80 s ten seconds apart), so compute timed around a configuration describes the host it ran
-    on better than compute timed at the start of the round; one profile just before still missed
-    by 15-20% either way in single rounds. The network and the slowdown table stay the round's."""
+    """`_steps` of `c` bracketed by two profiles of the model's compute at `c`'s micro-batch size,
+    and the round's profile with its per-segment compute replaced by the mean of the two. The
+    host's speed moves within seconds (the same 30 passes took 1.53 and 1.80 s ten seconds apart),
+    so compute timed around a configuration describes the host it ran on better than compute timed
+    at the start of the round; one profile just before still missed by 15-20% either way in single
+    rounds. The network and the slowdown table stay the round's.
+
+    With W <= cores ranks, all W profile at once and rank 0's times over the round's slowdown at W
+    are the lone compute: in one run the compute timed on rank 0 alone said the host was 10-15%
+    faster than usual while the 2-rank configurations measured at it ran at their usual speed
+    (all predicted 9-16% short): one busy core and two do not speed up and slow down alike."""
     import dataclasses
 
     import torch.distributed as dist
@@ -182,19 +187,39 @@ def _bracketed_steps(
     from varuna.profile import profile_model
 
     m = c["micro_batch_size"]
-    rank = dist.get_rank()
-    model = _model(spec["model"]) if rank == 0 else None  # profile_model leaves it as it was
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # With no more ranks than cores, every rank profiles at once, so the compute is timed with the
+    # cores as busy as the job keeps them (this host's two cores do not speed up and slow down
+    # alike for one busy rank and for two); rank 0's times over the round's slowdown at W busy
+    # are then the lone compute the simulator scales back. With more ranks than cores, time
+    # slicing would cut through the timed passes: rank 0 profiles alone, the others waiting.
+    together = world <= CORES and world in table.compute_slowdown
+    model = _model(spec["model"]) if rank == 0 or together else None  # left as it was
 
     def profile() -> Any:
         if model is None:
             return None
-        return profile_model(
+        out = profile_model(
             model, batches[0], micro_batch_sizes=(m,), repeats=spec["repeats"], progress=False
         )
+        if not together or rank != 0:
+            return out
+        f = table.compute_slowdown[world]
+        return [
+            dataclasses.replace(
+                x, forward_s={k: v / f for k, v in x.forward_s.items()},
+                backward_s={k: v / f for k, v in x.backward_s.items()},
+                recompute_s={k: v / f for k, v in x.recompute_s.items()} if x.recompute_s else x.recompute_s,
+                update_s=x.update_s / f,
+            )
+            for x in out
+        ]  # fmt: skip
 
+    dist.barrier()
     before = profile()
     dist.barrier()
     steps = _steps(spec, c, batches)
+    dist.barrier()
     after = profile()
     box: list[Any] = [None]
     if rank == 0:
