@@ -175,7 +175,7 @@ def _bracketed_steps(
     at the start of the round; one profile just before still missed by 15-20% either way in single
     rounds. The network and the slowdown table stay the round's.
 
-    With W <= cores ranks, all W profile at once and rank 0's times over the round's slowdown at W
+    min(W, cores) ranks profile at once and rank 0's times over the round's slowdown at that count
     are the lone compute: in one run the compute timed on rank 0 alone said the host was 10-15%
     faster than usual while the 2-rank configurations measured at it ran at their usual speed
     (all predicted 9-16% short): one busy core and two do not speed up and slow down alike."""
@@ -188,13 +188,14 @@ def _bracketed_steps(
 
     m = c["micro_batch_size"]
     rank, world = dist.get_rank(), dist.get_world_size()
-    # With no more ranks than cores, every rank profiles at once, so the compute is timed with the
-    # cores as busy as the job keeps them (this host's two cores do not speed up and slow down
-    # alike for one busy rank and for two); rank 0's times over the round's slowdown at W busy
-    # are then the lone compute the simulator scales back. With more ranks than cores, time
-    # slicing would cut through the timed passes: rank 0 profiles alone, the others waiting.
-    together = world <= CORES and world in table.compute_slowdown
-    model = _model(spec["model"]) if rank == 0 or together else None  # left as it was
+    # k = min(W, cores) ranks profile at once, so the compute is timed with the cores as busy as
+    # the job keeps them (this host's two cores do not speed up and slow down alike for one busy
+    # rank and for two); rank 0's times over the round's slowdown at k busy are then the lone
+    # compute the simulator scales back. More than one rank per core would time-slice the timed
+    # passes, so with W > cores the others wait.
+    k = min(world, CORES)
+    together = k > 1 and k in table.compute_slowdown
+    model = _model(spec["model"]) if rank == 0 or (together and rank < k) else None  # left as it was
 
     def profile() -> Any:
         if model is None:
@@ -204,7 +205,7 @@ def _bracketed_steps(
         )
         if not together or rank != 0:
             return out
-        f = table.compute_slowdown[world]
+        f = table.compute_slowdown[k]
         return [
             dataclasses.replace(
                 x, forward_s={k: v / f for k, v in x.forward_s.items()},

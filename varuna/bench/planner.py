@@ -14,8 +14,8 @@
     4. predict   `varuna.plan.predict` of each configuration, with its boundaries, from the profile
                  of its round whose per-segment compute at the configuration's micro-batch size is
                  the mean of two profiles (`varuna.profile.profile_model`) taken right before and
-                 right after the configuration runs (with 2 ranks on 2 cores, both ranks profiling
-                 at once, rank 0's times over the round's 2-rank slowdown). This host's speed drifts by 10-40% over minutes even with nothing else
+                 right after the configuration runs (on 2 cores, ranks 0 and 1 profiling at once,
+                 rank 0's times over the round's 2-rank slowdown). This host's speed drifts by 10-40% over minutes even with nothing else
                  running in the VM (seen here: the model's forward+backward profiled at 0.094,
                  0.108 and 0.132 s within four minutes of one run, and 1.53 against 1.80 s for the
                  same 30 passes ten seconds apart), so a profile taken minutes before a
