@@ -193,10 +193,21 @@ class P2P:
     `comm_s` the time spent moving data once it was on its way.
     """
 
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        prev_rank: int | None,
+        next_rank: int | None,
+        device: torch.device,
+        *,
+        ordered: bool | None = None,
+    ) -> None:
         self.prev = prev_rank
         self.next = next_rank
         self.device = device
+        self.ordered = device.type == "cuda" if ordered is None else ordered
+        """NCCL ignores tags and pairs a direction's sends and receives in posting order, so on it
+        activation receives are posted one micro-batch ahead at most (`post_activation_header`)."""
+        self._wanted: list[int] = []  # ordered: micro-batches whose receives wait for the one ahead
         watch = _watching(device)
         self._from_prev = _Watcher("varuna-p2p-from-prev") if watch and prev_rank is not None else None
         self._from_next = _Watcher("varuna-p2p-from-next") if watch and next_rank is not None else None
@@ -213,7 +224,17 @@ class P2P:
     # activations -------------------------------------------------------------------------------
     def post_activation_header(self, mb: int) -> None:
         """Start receiving micro-batch `mb`'s header early, and its tensors too with the shapes
-        of the previous step's `mb`, so waiting later costs nothing."""
+        of the previous step's `mb`, so waiting later costs nothing.
+
+        On an ordered transport (NCCL) the receives of a micro-batch whose shape changed are posted
+        only once its header is read, after those posted early; so the next micro-batch's are
+        posted only when this one is in (queued until then), and both ends post in one order."""
+        if self.ordered and self._headers:
+            self._wanted.append(mb)
+            return
+        self._post_header(mb)
+
+    def _post_header(self, mb: int) -> None:
         assert self.prev is not None
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         works = [dist.irecv(buf, self.prev, tag=mb * _SLOTS)]
@@ -250,7 +271,14 @@ class P2P:
 
     def recv_activation(self, mb: int) -> Value:
         if mb not in self._headers:
-            self.post_activation_header(mb)
+            if self.ordered and (self._headers or (self._wanted and self._wanted[0] != mb)):
+                raise RuntimeError(
+                    f"micro-batch {mb}'s activation received out of order on an ordered transport "
+                    f"(NCCL); posted {sorted(self._headers)}, queued {self._wanted}"
+                )
+            if mb in self._wanted:
+                self._wanted.remove(mb)
+            self._post_header(mb)
         pending = self._headers.pop(mb)
         t0 = time.perf_counter()
         pending.wait()
@@ -262,6 +290,8 @@ class P2P:
                     w.wait()
         tensors = pending.data
         assert tensors is not None
+        if self.ordered and self._wanted and not self._headers:
+            self._post_header(self._wanted.pop(0))
         self.idle_s += t1 - t0
         self.comm_s += time.perf_counter() - t1
         for t in tensors:

@@ -2,8 +2,8 @@
 
 Rank 1 (first stage) sends 3 micro-batches per "step" for 5 steps; micro-batch 1 changes shape at
 step 3 and back at step 4, micro-batch 2 is a tuple with an int64 tensor. Rank 0 checks every value
-and gradient round trip and prints, per run (gloo without and with the watcher threads), how many
-activations came in early receives, as one JSON line.
+and gradient round trip and prints, per run (gloo without and with the watcher threads, and
+posting in send order as for NCCL), how many activations came in early receives, as one JSON line.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ def value(step: int, mb: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return x
 
 
-def run(rank: int) -> dict[str, object]:
+def run(rank: int, ordered: bool) -> dict[str, object]:
     device = torch.device("cpu")
     wrong: list[str] = []
     if rank == 1:
-        p2p = P2P(None, 0, device)
+        p2p = P2P(None, 0, device, ordered=ordered)
         for step in range(STEPS):
             dist.barrier()
             for mb in range(MICRO):
@@ -43,7 +43,7 @@ def run(rank: int) -> dict[str, object]:
                     wrong.append(f"grad step {step} mb {mb}")
             p2p.finish()
     else:
-        p2p = P2P(1, None, device)
+        p2p = P2P(1, None, device, ordered=ordered)
         for step in range(STEPS):
             for mb in range(MICRO):
                 p2p.post_activation_header(mb)  # as the runtime does at the start of a step
@@ -64,9 +64,9 @@ def run(rank: int) -> dict[str, object]:
 def main() -> None:
     rank = dist.get_rank()
     seen = {}
-    for watch in ("0", "1"):
-        os.environ["VARUNA_P2P_WATCH"] = watch
-        seen[watch] = run(rank)
+    for mode in ("watch=0", "watch=1", "ordered"):  # ordered: NCCL's way, one micro-batch ahead
+        os.environ["VARUNA_P2P_WATCH"] = "1" if mode == "watch=1" else "0"
+        seen[mode] = run(rank, ordered=mode == "ordered")
         dist.barrier()
     print("EARLY " + json.dumps(seen), flush=True)
 
