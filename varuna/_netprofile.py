@@ -120,18 +120,19 @@ def _messages(
         # two micro-batch slots, reused as a step reuses its micro-batches: from the second round
         # on, an activation goes to the receives posted early with its shape (`varuna.comm`)
         for m in range(2 * (repeats + 1)):
-            busy = m % 2 == 0  # even: the costs with the other rank computing; odd: a round trip
+            slot = m % 2
+            busy = slot == 0  # even: the costs with the other rank computing; odd: a round trip
             if rank == 1:
-                p2p.post_activation_header(m % 2)
+                p2p.post_activation_header(slot)
             dist.barrier(group=group)
             if rank == 0:
                 t0 = time.perf_counter()
-                p2p.send_activation(m % 2, act)
+                p2p.send_activation(slot, act)
                 t1 = time.perf_counter()
                 if busy:
                     _busy(2 * busy_s, work)
                 t2 = time.perf_counter()
-                p2p.recv_grad(m % 2)
+                p2p.recv_grad(slot)
                 t3 = time.perf_counter()
                 if m >= 2:
                     if busy:
@@ -142,13 +143,13 @@ def _messages(
             else:
                 if busy:
                     _busy(busy_s, work)  # the header arrives meanwhile
-                    reported += p2p.activation_ready(m % 2)
+                    reported += p2p.activation_ready(slot)
                 t0 = time.perf_counter()
-                value = p2p.recv_activation(m % 2)
+                value = p2p.recv_activation(slot)
                 t1 = time.perf_counter()
                 value.grad = torch.ones_like(value)
                 t2 = time.perf_counter()
-                p2p.send_grad(m % 2, value)
+                p2p.send_grad(slot, value)
                 t3 = time.perf_counter()
                 if m >= 2 and busy:
                     samples[1].append(t1 - t0)

@@ -310,10 +310,7 @@ class P2P:
         last = self._last_out.get(mb)
         early = last is not None and torch.equal(header, last)
         if last is not None and not early:  # the early receives wait for the old shapes: fill them
-            placeholders = [
-                torch.zeros(shape, dtype=dtype, device=self.device) for dtype, shape in decode_header(last)[0]
-            ]
-            for i, t in enumerate(placeholders):
+            for i, t in enumerate(self._empty(last)):
                 self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + _EARLY + i), t))
         self._last_out[mb] = header
         slot = _EARLY if early else _LATE
