@@ -200,21 +200,9 @@ def _bracketed_steps(
     def profile() -> Any:
         if model is None:
             return None
-        out = profile_model(
+        return profile_model(
             model, batches[0], micro_batch_sizes=(m,), repeats=spec["repeats"], progress=False
         )
-        if not together or rank != 0:
-            return out
-        f = table.compute_slowdown[k]
-        return [
-            dataclasses.replace(
-                x, forward_s={k: v / f for k, v in x.forward_s.items()},
-                backward_s={k: v / f for k, v in x.backward_s.items()},
-                recompute_s={k: v / f for k, v in x.recompute_s.items()} if x.recompute_s else x.recompute_s,
-                update_s=x.update_s / f,
-            )
-            for x in out
-        ]  # fmt: skip
 
     dist.barrier()
     before = profile()
@@ -224,9 +212,11 @@ def _bracketed_steps(
     after = profile()
     box: list[Any] = [None]
     if rank == 0:
+        # the mean of the two profiles, over the round's factor at k busy (1 when rank 0 ran alone)
+        scale = 2 * (table.compute_slowdown[k] if together else 1.0)
 
         def mean(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
-            return {k: (a[k] + b[k]) / 2 for k in a}
+            return {n: (a[n] + b[n]) / scale for n in a}
 
         segments = [
             dataclasses.replace(
@@ -234,7 +224,7 @@ def _bracketed_steps(
                 backward_s=old.backward_s | mean(x.backward_s, y.backward_s),
                 recompute_s=(old.recompute_s or old.forward_s)
                 | mean(x.recompute_s or x.forward_s, y.recompute_s or y.forward_s),
-                update_s=(x.update_s + y.update_s) / 2,
+                update_s=(x.update_s + y.update_s) / scale,
             )
             for old, x, y in zip(table.segments, before, after)
         ]  # fmt: skip
