@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,14 +30,10 @@ def test_header_round_trips_shapes_and_dtypes() -> None:
         encode_header([torch.zeros(1, dtype=torch.complex64)], False)
 
 
-@pytest.mark.multirank
-@pytest.mark.timeout(120)
-def test_an_arrival_is_seen_without_waiting_for_it(tmp_path: Path) -> None:
-    """What Varuna's pull-ahead relies on: gloo's works report completion only once waited for,
-    so without the watcher threads `activation_ready`/`grad_ready` would stay False for good."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env["VARUNA_P2P_WATCH"] = "1"  # off by default (see README); without, no arrival is ever seen
-    script = str(REPO / "tests" / "scripts" / "p2p_arrivals.py")
+def _two_ranks(tmp_path: Path, script: str, marker: str, **env_extra: str) -> dict[int, Any]:
+    """Run tests/scripts/`script` on 2 ranks with `varuna run`; each rank's JSON after `marker`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env_extra}
+    path = str(REPO / "tests" / "scripts" / script)
     argv = [
         sys.executable,
         "-m",
@@ -48,14 +45,24 @@ def test_an_arrival_is_seen_without_waiting_for_it(tmp_path: Path) -> None:
         "run",
         "--timeout",
         "90",
-        script,
+        path,
     ]
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
     seen = {}
     for line in done.stdout.splitlines():
-        if "ARRIVALS " in line:
-            seen[int(line.split("[rank ")[1].split()[0])] = json.loads(line.split("ARRIVALS ", 1)[1])
+        if marker + " " in line:
+            seen[int(line.split("[rank ")[1].split()[0])] = json.loads(line.split(marker + " ", 1)[1])
+    return seen
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_an_arrival_is_seen_without_waiting_for_it(tmp_path: Path) -> None:
+    """What Varuna's pull-ahead relies on: gloo's works report completion only once waited for,
+    so without the watcher threads `activation_ready`/`grad_ready` would stay False for good."""
+    # the watchers are off by default (see README); without them no arrival is ever seen
+    seen = _two_ranks(tmp_path, "p2p_arrivals.py", "ARRIVALS", VARUNA_P2P_WATCH="1")
     receiver, sender = seen[0], seen[1]
     assert receiver["ready_at_once"] is False  # sent 0.3 s later
     assert receiver["after_s"] is not None and receiver["after_s"] > 0.1  # seen when it came, not before
@@ -72,27 +79,7 @@ def test_activations_go_to_receives_posted_early_and_shape_changes_still_arrive(
     travels while the receiver computes); a micro-batch whose shape changes, a tuple with an int
     tensor, and every receiving path (with and without the watcher threads, and posting in the
     order of the sends as for NCCL) still deliver exactly."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    script = str(REPO / "tests" / "scripts" / "p2p_early.py")
-    argv = [
-        sys.executable,
-        "-m",
-        "varuna",
-        "run",
-        "--pipeline",
-        "2",
-        "--run-dir",
-        "run",
-        "--timeout",
-        "90",
-        script,
-    ]
-    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
-    assert done.returncode == 0, done.stdout + done.stderr
-    seen = {}
-    for line in done.stdout.splitlines():
-        if "EARLY " in line:
-            seen[int(line.split("[rank ")[1].split()[0])] = json.loads(line.split("EARLY ", 1)[1])
+    seen = _two_ranks(tmp_path, "p2p_early.py", "EARLY")
     for mode in ("watch=0", "watch=1", "ordered"):
         assert seen[0][mode]["wrong"] == [] and seen[1][mode]["wrong"] == []
         # 5 steps x 3 micro-batches: step 0 has no early receives; micro-batch 1 changes shape at
