@@ -358,8 +358,14 @@ def chromium_path() -> str:
 
 
 @contextlib.contextmanager
-def chromium(*, viewport: tuple[int, int] = (1400, 1300), timeout_s: float = 30.0) -> Iterator[Any]:
-    """A Playwright BrowserContext on Debian's Chromium with a fresh profile; closed on exit."""
+def chromium(
+    *, viewport: tuple[int, int] = (1400, 1300), timeout_s: float = 120.0, attempts: int = 2
+) -> Iterator[Any]:
+    """A Playwright BrowserContext on Debian's Chromium with a fresh profile; closed on exit.
+
+    The first start after `apt-get install chromium` builds the font and shader caches and has taken over
+    30 s on a loaded 2-core CI host (the later starts took a few seconds): each start gets `timeout_s`,
+    and a start that times out is tried again with a new profile, `attempts` times in all."""
     executable = chromium_path()
     try:
         from playwright.sync_api import sync_playwright
@@ -368,26 +374,32 @@ def chromium(*, viewport: tuple[int, int] = (1400, 1300), timeout_s: float = 30.
             "the Python package `playwright` is missing: pip install playwright (only the package; "
             "never `playwright install`, the browser is Debian's chromium)"
         ) from exc
-    profile = tempfile.mkdtemp(prefix="varuna-chromium-")
+    profiles: list[str] = []
     try:
         with sync_playwright() as pw:
-            try:
-                context = pw.chromium.launch_persistent_context(
-                    profile, executable_path=executable, headless=True, args=CHROMIUM_ARGS,
-                    viewport={"width": viewport[0], "height": viewport[1]}, timeout=timeout_s * 1000,
-                )  # fmt: skip
-            except Exception as exc:
-                raise BrowserHarnessError(
-                    f"Chromium at {executable} did not start ({type(exc).__name__}: {exc}). Check that "
-                    f"`{executable} --headless --no-sandbox --disable-gpu --dump-dom about:blank` works; "
-                    "reinstall with apt-get install -y chromium."
-                ) from exc
+            for attempt in range(1, attempts + 1):
+                profiles.append(tempfile.mkdtemp(prefix="varuna-chromium-"))
+                try:
+                    context = pw.chromium.launch_persistent_context(
+                        profiles[-1], executable_path=executable, headless=True, args=CHROMIUM_ARGS,
+                        viewport={"width": viewport[0], "height": viewport[1]}, timeout=timeout_s * 1000,
+                    )  # fmt: skip
+                    break
+                except Exception as exc:
+                    if attempt < attempts and "Timeout" in type(exc).__name__:
+                        continue
+                    raise BrowserHarnessError(
+                        f"Chromium at {executable} did not start in {attempt} attempt(s) of {timeout_s:.0f} s "
+                        f"({type(exc).__name__}: {exc}). Check that `{executable} --headless --no-sandbox "
+                        "--disable-gpu --dump-dom about:blank` works; reinstall with apt-get install -y chromium."
+                    ) from exc
             try:
                 yield context
             finally:
                 context.close()
     finally:
-        shutil.rmtree(profile, ignore_errors=True)
+        for profile in profiles:
+            shutil.rmtree(profile, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------- page

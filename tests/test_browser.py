@@ -24,7 +24,7 @@ def smoke_lab(request: pytest.FixtureRequest):
         yield lab
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)  # two Chromium starts of up to 120 s each, then the lab
 def test_browser_harness_smoke(smoke_lab: browser.LabPage) -> None:
     lab = smoke_lab
     lab.run_all_cells(timeout_s=90)
@@ -58,6 +58,13 @@ def test_missing_chromium_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("VARUNA_CHROMIUM", "/nonexistent/chromium")
     with pytest.raises(browser.BrowserHarnessError, match=r"apt-get install -y chromium"):
         with browser.chromium():
+            pass
+
+
+@pytest.mark.timeout(60)
+def test_a_chromium_start_that_times_out_is_tried_again_then_reported() -> None:
+    with pytest.raises(browser.BrowserHarnessError, match=r"did not start in 2 attempt\(s\) of 0 s.*Timeout"):
+        with browser.chromium(timeout_s=0.001, attempts=2):
             pass
 
 
