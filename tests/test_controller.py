@@ -55,6 +55,32 @@ def test_unsigned_and_badly_signed_events_are_dropped(tmp_path: Path) -> None:
         ctl.close()
 
 
+def test_a_controller_binds_the_addresses_of_one_closed_a_moment_ago(tmp_path: Path) -> None:
+    from varuna._channel import _bind_again
+
+    first = JobController(tmp_path)
+    first._bind()
+    events, commands = first.events_address, first.commands_address
+    first.close()  # zmq frees the listeners later, in its I/O thread
+    second = JobController(tmp_path)
+    try:
+        second._bind(events, commands)
+        assert (second.events_address, second.commands_address) == (events, commands)
+    finally:
+        second.close()
+    held = zmq.Context.instance().socket(zmq.PULL)
+    _bind_again(held, events)  # `second` was closed just now
+    other = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        start = time.monotonic()
+        with pytest.raises(zmq.ZMQError) as caught:
+            _bind_again(other, events, wait_s=0.3)  # an address that stays taken: tried, then raised
+        assert caught.value.errno == zmq.EADDRINUSE and time.monotonic() - start >= 0.3
+    finally:
+        held.close(linger=0)
+        other.close(linger=0)
+
+
 def test_start_validates_in_the_caller(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="script not found"):
         JobController.start([str(tmp_path / "nope.py")], pipeline=2, data=1, run_dir=tmp_path / "run")

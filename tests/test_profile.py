@@ -118,7 +118,7 @@ def test_slow_segment_is_measured_slower() -> None:
         model,
         batch,
         micro_batch_sizes=(1, 2),
-        repeats=2,
+        repeats=5,  # the median of 5 passes: one descheduled pass (seen: 6 ms on a 0.1 ms segment) is skipped
         progress=False,
     )
     for m in (1, 2):

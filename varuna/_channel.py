@@ -24,6 +24,21 @@ from varuna import _events
 __all__ = ["Channel"]
 
 
+def _bind_again(sock: Any, address: str, wait_s: float = 5.0) -> None:
+    """Bind `sock` to the fixed `address` a closed channel had. zmq releases a closed socket's
+    listener in its I/O thread, after `close()` has returned, so binding right after a close can
+    find the address still in use: try again until `wait_s` has passed, then raise."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Channel:
     """Bound sockets and the receiver thread; `send` publishes a signed command to every rank."""
 
@@ -51,7 +66,7 @@ class Channel:
             for sock, address in ((self._pull, events), (self._pub, commands)):
                 sock.setsockopt(zmq.LINGER, 0)
                 if address is not None:
-                    sock.bind(address.replace(shown, host, 1) if host == "*" else address)
+                    _bind_again(sock, address.replace(shown, host, 1) if host == "*" else address)
                 else:
                     sock.bind_to_random_port(f"tcp://{host}")
                 bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
