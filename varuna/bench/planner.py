@@ -1,6 +1,6 @@
 """`varuna bench planner`: the planner's predicted step time against the measured one.
 
-    python -m varuna.bench planner --json        # ~3-5 min on 2 cores; one JSON object on stdout
+    python -m varuna.bench planner --json        # ~8-9 min on 2 cores; one JSON object on stdout
     python -m varuna.bench planner --quick       # tiny model, one round: a smoke run of every path
 
     1. profile   one 4-rank job runs `varuna.profile.run_profile` on a GPT (per-segment compute and
@@ -86,8 +86,11 @@ class PlannerBench:
     """Untimed steps per round."""
     steps: int = 5
     """Timed steps per round."""
-    rounds: int = 3
-    """Rounds per configuration, interleaved over the configurations of a job."""
+    rounds: int = 5
+    """Rounds per configuration, interleaved over the configurations of a job. One round's
+    prediction against its measurement moves by +-10-20% on this host (the bracketing profiles and
+    the steps a minute apart); the median of 5 independent rounds spreads about sqrt(3/5), a
+    quarter, less than that of 3."""
     profile_repeats: int = 5
     """Timed passes per micro-batch size in the profile."""
     max_foreign: float = 0.15
@@ -98,7 +101,7 @@ class PlannerBench:
     """How long to wait for other processes to calm down before each round."""
     retry_budget_s: float = 50.0
     """Seconds each job (the profile, each measuring job) may spend waiting and measuring again."""
-    job_timeout_s: float = 300.0
+    job_timeout_s: float = 540.0
     """A job that runs longer fails, naming its configurations."""
 
     def __post_init__(self) -> None:
@@ -137,7 +140,7 @@ class PlannerBench:
 def full() -> PlannerBench:
     """A GPT of 8 blocks (vocab 1024, seq 64, d_model 192), batch 16, micro-batches of 2 and 4,
     1F1B and Varuna's schedule at 2x1, 2x2 and 4x1, and 1x2 (where the two schedules coincide):
-    14 configurations, 3 rounds each."""
+    14 configurations, 5 rounds each."""
     return PlannerBench(model={"vocab_size": 1024, "seq_len": 64, "d_model": 192, "n_layer": 8, "n_head": 4})
 
 
