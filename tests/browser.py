@@ -363,11 +363,12 @@ def chromium(
 ) -> Iterator[Any]:
     """A Playwright BrowserContext on Debian's Chromium with a fresh profile; closed on exit.
 
-    The first start after `apt-get install chromium` builds the font and shader caches and has taken over
-    30 s on a loaded 2-core CI host (the later starts took a few seconds): each start gets `timeout_s`,
-    and a start that times out is tried again with a new profile, `attempts` times in all."""
+    CI's first start, right after `apt-get install chromium` on a loaded 2-core host, once took over
+    30 s while the later ones started in seconds: each start gets `timeout_s`, and a start that times
+    out is tried again with a new profile, `attempts` times in all."""
     executable = chromium_path()
     try:
+        from playwright.sync_api import TimeoutError as StartTimeout
         from playwright.sync_api import sync_playwright
     except ImportError as exc:
         raise BrowserHarnessError(
@@ -386,7 +387,7 @@ def chromium(
                     )  # fmt: skip
                     break
                 except Exception as exc:
-                    if attempt < attempts and "Timeout" in type(exc).__name__:
+                    if attempt < attempts and isinstance(exc, StartTimeout):
                         continue
                     raise BrowserHarnessError(
                         f"Chromium at {executable} did not start in {attempt} attempt(s) of {timeout_s:.0f} s "

@@ -105,7 +105,9 @@ def test_profile_measures_the_heavy_segment_as_heavy() -> None:
 
     model = Chain(4)
     model.layers[2] = Slow()
-    costs = profile_segments(model, {"x": torch.ones(2, 4)}, repeats=5)  # a median that skips a descheduled pass
+    costs = profile_segments(
+        model, {"x": torch.ones(2, 4)}, repeats=5
+    )  # a median that skips a descheduled pass
     assert len(costs) == 4
     assert all(c > 0 for c in costs)
     assert costs[2] > 5 * max(costs[0], costs[1], costs[3])

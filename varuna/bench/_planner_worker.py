@@ -291,8 +291,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         table, seen = retries.run(f"profile of round {r + 1}", measure_costs)
         profiles.append(
             seen
-            | {"forward_backward_s": _forward_backward(table), "slowdown": table.compute_slowdown}
-            | {"delivery_s": table.network.delivery_s}
+            | {
+                "forward_backward_s": _forward_backward(table),
+                "slowdown": table.compute_slowdown,
+                "delivery_s": table.network.delivery_s,
+            }
         )
         for c, kept in zip(spec["configs"], rounds):
             (fresh, steps), seen = retries.run(

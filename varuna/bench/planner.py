@@ -89,8 +89,8 @@ class PlannerBench:
     rounds: int = 5
     """Rounds per configuration, interleaved over the configurations of a job. One round's
     prediction against its measurement moves by +-10-20% on this host (the bracketing profiles and
-    the steps a minute apart); the median of 5 independent rounds spreads about sqrt(3/5), a
-    quarter, less than that of 3."""
+    the steps a minute apart); the median of 5 independent rounds spreads about sqrt(3/5) = 0.77
+    times as much as that of 3."""
     profile_repeats: int = 5
     """Timed passes per micro-batch size in the profile."""
     max_foreign: float = 0.15
