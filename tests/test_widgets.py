@@ -24,8 +24,10 @@ from varuna.simulate import StageCost, simulate  # noqa: E402
 
 
 def fed(
-    tmp_path: Path, steps: int = 3, stages: int = 2, microbatches: int = 4, **kw
+    tmp_path: Path, steps: int = 3, stages: int = 2, microbatches: int = 4, background: bool = True, **kw
 ) -> tuple[JobController, Workbench]:
+    """A workbench on a controller holding `steps` synthetic steps. `background=False` stops its 4 Hz
+    refresher, for tests that count their own `refresh()` calls (the refresher could redraw first)."""
     ctl = JobController(tmp_path)
     for step in range(steps):
         for e in synthetic_step_events(step, stages, microbatches, t0=1000.0 + step):
@@ -37,6 +39,10 @@ def fed(
              "schedule": "1f1b", "host": "h", "pid": 100 + rank}
         )  # fmt: skip
     wb = Workbench(controller=ctl, replay=kw.pop("replay", False), **kw)
+    if not background and wb._thread is not None:
+        wb._closing.set()
+        wb._thread.join(timeout=5.0)
+        assert not wb._thread.is_alive()
     return ctl, wb
 
 
@@ -111,7 +117,7 @@ def test_workbench_draws_every_stage_and_the_bubble_against_theory(tmp_path: Pat
 
 
 def test_rows_follow_the_newest_launch_after_a_resize(tmp_path: Path) -> None:
-    ctl, wb = fed(tmp_path, steps=3, stages=2)
+    ctl, wb = fed(tmp_path, steps=3, stages=2, background=False)
     try:
         assert tick_labels(wb) == [figures.row_label(0, 0), figures.row_label(1, 0)]
         for e in synthetic_step_events(3, 4, 4, launch=2, t0=2000.0):
@@ -220,7 +226,7 @@ def test_refresh_rate_of_a_4x64_pipeline() -> None:
 
 
 def test_each_redraw_replaces_a_figure_whole(tmp_path: Path) -> None:
-    ctl, wb = fed(tmp_path, steps=2, stages=2, microbatches=4)
+    ctl, wb = fed(tmp_path, steps=2, stages=2, microbatches=4, background=False)
     try:
         changes: list[Any] = []
         wb.timeline_fig.observe(changes.append, names="figure")
