@@ -39,10 +39,9 @@ def fed(
              "schedule": "1f1b", "host": "h", "pid": 100 + rank}
         )  # fmt: skip
     wb = Workbench(controller=ctl, replay=kw.pop("replay", False), **kw)
-    if not background and wb._thread is not None:
-        wb._closing.set()
-        wb._thread.join(timeout=5.0)
-        assert not wb._thread.is_alive()
+    if not background:
+        wb._stop_refresher()
+        assert wb._thread is not None and not wb._thread.is_alive()
     return ctl, wb
 
 

@@ -92,6 +92,12 @@ class _Drawing:
         self._thread = threading.Thread(target=loop, daemon=True, name="varuna-workbench-refresh")
         self._thread.start()
 
+    def _stop_refresher(self) -> None:
+        """Stop the background redraws (`refresh()` still redraws when called)."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
     def refresh(self, force: bool = False) -> bool:
         """Redraw what changed since the last call (everything with `force`); True if anything did."""
         with self._draw_lock:

@@ -273,9 +273,7 @@ class Workbench(_Drawing):
 
     def close(self) -> None:
         """Stop redrawing and close the controller's sockets (a running job keeps running)."""
-        self._closing.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        self._stop_refresher()
         if self.controller is not None:
             self.controller.close()
 
