@@ -172,6 +172,23 @@ def test_message_costs_and_the_arrival_report_round_trip(tmp_path: Path) -> None
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, message_s={"RECV_F": -1.0})
 
 
+def test_message_cpu_round_trips_and_interpolates_in_bytes(tmp_path: Path) -> None:
+    net = NetworkCost(
+        p2p_latency_s=1e-4, p2p_bandwidth_Bps=1e9, message_cpu=[(1 << 20, 1.1e-3), (1 << 16, 3e-4)]
+    )
+    assert net.message_cpu == [(1 << 16, 3e-4), (1 << 20, 1.1e-3)]  # sorted by size
+    assert CostTable.load(table(network=net).save(tmp_path / "profile.json")).network == net
+    middle = (1 << 16) + ((1 << 20) - (1 << 16)) // 2
+    assert net.message_cpu_time(middle) == pytest.approx(7e-4)
+    assert net.message_cpu_time(1 << 10) == 3e-4  # below the smallest: that one's
+    assert net.message_cpu_time(0) == 0.0
+    legacy = table(network=net).to_json()
+    del legacy["network"]["message_cpu"]
+    assert CostTable.from_json(legacy).network.message_cpu_time(1 << 16) == 0.0  # unmeasured: free
+    with pytest.raises(ConfigError, match=r"message_cpu = .*give distinct byte sizes >= 0 with seconds >= 0"):
+        NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, message_cpu=[(1024, -1.0)])
+
+
 def test_delivery_delays_round_trip_and_fall_back_to_the_fixed_delay(tmp_path: Path) -> None:
     delivery = {1: {"F": 1e-3, "B": 2e-4}, 3: {"F": 7e-3, "B": 3e-3}}
     net = NetworkCost(

@@ -265,6 +265,10 @@ def test_shared_cores_and_the_update_enter_the_prediction() -> None:
     assert step(shared, 1) == pytest.approx(step(base, 1) + compute)  # 4 replicas: always all busy
     assert pick(shared, 1).timeline.busy_s[0] == pytest.approx(2 * compute)
     assert step(base, 4) < step(shared, 4) < 2 * step(base, 4)  # the pipeline's bubbles leave cores free
+    # each message's CPU work takes core time from the stages computing meanwhile; P=1 sends none
+    net = dataclasses.replace(shared.network, message_cpu=[(1, 1e-3)])
+    chatty = dataclasses.replace(shared, network=net)
+    assert step(chatty, 4) > step(shared, 4) and step(chatty, 1) == step(shared, 1)
     seg = dataclasses.replace(base.segments[0], update_s=0.01)
     updated = dataclasses.replace(base, segments=[seg] * 4)
     assert step(updated, 4) == pytest.approx(step(base, 4) + 0.01)  # one segment per stage, in parallel

@@ -214,6 +214,8 @@ def test_varuna_profile_two_ranks(tmp_path: Path) -> None:
     assert set(table.network.delivery_s[1]) == {"F", "B", "SEND_F", "SEND_B"}
     assert all(v >= 0 for v in table.network.delivery_s[1].values())
     assert table.network.delivery_s[1]["SEND_F"] > 0  # a send is timed, never free
+    assert [b for b, _ in table.network.message_cpu] == [1 << 16, 1 << 20]
+    assert all(t > 0 for _, t in table.network.message_cpu)  # a message costs CPU on both ranks
     assert not (run_dir / "engine.json").exists()  # the real engine never started: no training ran
     assert "varuna profile" in (run_dir / "logs" / "rank0.log").read_text()  # the progress bar
 

@@ -28,6 +28,12 @@ def test_tables_interpolate_in_the_busy_count() -> None:
     assert Sharing().send("SEND_F", 1) is None
 
 
+def test_an_oversubscribed_host_shares_its_cores_fairly_beyond_the_counts_measured() -> None:
+    assert Sharing(slowdown={1: 1.0, 2: 1.1, 4: 2.3}).factor(8) == pytest.approx(4.6)
+    assert Sharing(slowdown={1: 1.0, 2: 1.0}).factor(5) == 1.0  # a core per rank there: flat
+    assert Sharing().factor(3) == 1.0
+
+
 def test_matters_only_when_a_reachable_count_changes_something() -> None:
     assert not Sharing().matters(4)
     assert not Sharing(slowdown={1: 1.0, 2: 1.0}).matters(2)
@@ -41,6 +47,11 @@ def test_matters_only_when_a_reachable_count_changes_something() -> None:
     assert not Sharing(delivery=same).matters(2)
     sends = {1: same[1], 2: same[2] | {"SEND_F": 0.4}}
     assert Sharing(delivery=sends).matters(2)
+    # two ranks on two cores: only a third thing to run, a message's CPU work, needs a core
+    cores = {1: 1.0, 2: 1.0, 3: 1.5}
+    assert not Sharing(slowdown=cores).matters(2)
+    assert Sharing(slowdown=cores, message_cpu_s=[1e-3]).matters(2)
+    assert not Sharing(slowdown=cores, message_cpu_s=[1e-3]).matters(1)  # no stage boundary
 
 
 def test_delivery_waits_longer_while_more_ranks_compute() -> None:
@@ -103,6 +114,22 @@ def test_shared_cores_stretch_only_what_overlaps() -> None:
         ("B1", near(5), near(7)),
     ]
     assert t.step_s == pytest.approx(8.0)
+
+
+def test_messages_cpu_work_slows_the_stages_computing_meanwhile() -> None:
+    # one core; GPipe, P=2, M=1, f=1, b=2; each message costs 0.5 s of CPU. F0 is sent at 1 while
+    # stage 1 starts its F0: two things share the core until the message's work is done at 2, so
+    # F0 ends at 2.5 (0.5 of it done by 2); B0 [2.5, 4.5]; its gradient's 0.5 s shares the core
+    # with stage 0's B0 from 4.5, which ends at 7. Every second of work on the one core: 1+1+2+2+0.5+0.5.
+    sharing = Sharing(slowdown={1: 1.0, 2: 2.0}, message_cpu_s=[0.5])
+    t = simulate("gpipe", 2, 1, [U, U], sharing=sharing)
+    near = pytest.approx
+    assert compute(t.spans[1]) == [("F0", 1.0, near(2.5)), ("B0", near(2.5), near(4.5))]
+    assert compute(t.spans[0]) == [("F0", 0.0, 1.0), ("B0", near(4.5), near(7.0))]
+    assert t.step_s == near(7.0)
+    # with a core to spare (2 cores) the message's work costs the stages nothing
+    spare = Sharing(slowdown={1: 1.0, 2: 1.0, 3: 1.5}, message_cpu_s=[0.5])
+    assert simulate("gpipe", 2, 1, [U, U], sharing=spare).step_s == near(6.0)
 
 
 def test_replicas_share_the_cores_too() -> None:

@@ -168,6 +168,53 @@ def _messages(
     return costs, reported_any > 0
 
 
+def _message_cpu(
+    rank: int, device: torch.device, sizes: Sequence[int], repeats: int
+) -> list[tuple[int, float]]:
+    """(bytes, seconds) for each of `sizes`: the CPU time one message costs ranks 0 and 1 together,
+    the same on every rank.
+
+    A round trip of the runtime's own transfer code (`varuna.comm.P2P`: an activation of that size
+    to rank 1, its gradient back) runs between two pauses; each rank's process CPU time over it
+    (its main thread and the transport's threads) is summed, the median over `repeats` round
+    trips halved. The pause after the round trip lets the transport's threads finish their share.
+    Nothing else runs then, so it is the transfer's own work; on an oversubscribed host that work
+    takes core time from the computing stages (`varuna.sharing`).
+    """
+    from varuna.comm import P2P
+
+    out = torch.zeros(len(sizes), dtype=torch.float64, device=device)
+    group = dist.new_group([0, 1])  # collective: every rank of the job creates it
+    if rank in (0, 1):
+        p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device)
+        for i, nbytes in enumerate(sizes):
+            act = torch.randn(max(nbytes // 4, 1), device=device)
+            samples = []
+            for m in range(2 * (repeats + 1)):
+                slot = m % 2  # two micro-batch slots, reused as a step reuses them (see _messages)
+                if rank == 1:
+                    p2p.post_activation_header(slot)
+                dist.barrier(group=group)
+                time.sleep(0.002)
+                c0 = time.process_time()
+                if rank == 0:
+                    p2p.send_activation(slot, act)
+                    p2p.recv_grad(slot)
+                else:
+                    value = p2p.recv_activation(slot)
+                    value.grad = torch.ones_like(value)
+                    p2p.send_grad(slot, value)
+                time.sleep(0.003)
+                if m >= 2:
+                    samples.append(time.process_time() - c0)
+            out[i] = statistics.median(samples) / 2
+        p2p.finish()
+        p2p.close()
+    dist.destroy_process_group(group)
+    dist.all_reduce(out)
+    return [(int(b), float(t)) for b, t in zip(sizes, out.tolist())]
+
+
 def _delivery(
     rank: int, world: int, device: torch.device, nbytes: int, repeats: int, transfer_s: float
 ) -> dict[int, dict[str, float]]:
@@ -304,6 +351,7 @@ def profile_network(
     transfer = latency + MESSAGE_BYTES / bandwidth
     messages, reports_arrival = _messages(rank, device, MESSAGE_BYTES, 10 * repeats, transfer)
     delivery = _delivery(rank, world, device, MESSAGE_BYTES, 3 * repeats, transfer)
+    message_cpu = _message_cpu(rank, device, (MESSAGE_BYTES, 16 * MESSAGE_BYTES), 5 * repeats)
     curves = {g: _allreduce(g, world, rank, sizes, repeats, device) for g in wanted}
     by_world = {world: dict(curves)}
     if group_sizes is None:
@@ -319,4 +367,5 @@ def profile_network(
         message_s=messages,
         reports_arrival=reports_arrival,
         delivery_s=delivery,
+        message_cpu=message_cpu,
     )

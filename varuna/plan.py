@@ -444,7 +444,12 @@ def _evaluate(
         allreduce_s=reduce,
         final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, world, world=world),
         update_s=update,
-        sharing=Sharing(replicas=data, slowdown=table.compute_slowdown, delivery=net.delivery_s)
+        sharing=Sharing(
+            replicas=data,
+            slowdown=table.compute_slowdown,
+            delivery=net.delivery_s,
+            message_cpu_s=[net.message_cpu_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]],
+        )
         if table.compute_slowdown or net.delivery_s
         else None,
         message_s=net.message_s,

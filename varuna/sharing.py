@@ -11,7 +11,10 @@ the cores the same way. With `Sharing.delivery`, a value sent while n ranks comp
 counted busy, the others as in the previous pass) arrives `delivery[n]` later than its transfer
 time: on an oversubscribed host a waiting stage and the sender's transfer thread wait for a core
 too; where the table has the send costs by busy count too (SEND_F / SEND_B), a send keeps its sender
-busy that long.
+busy that long. With `Sharing.message_cpu_s`, every message also does that much CPU work on the
+host (the transport's threads on both sides): from its send on it counts as one more busy rank per
+replica, for as long as that work takes at the host's rate, so the stages computing meanwhile slow
+down (4 ranks on 2 cores: ~16 messages per stage and step of ~0.5 ms each, ~5% of a step).
 """
 
 from __future__ import annotations
@@ -43,8 +46,18 @@ class Sharing:
     "SEND_F" / "SEND_B", how long a send keeps its sender busy (`NetworkCost.delivery_s`); {} means
     the fixed DELAY_F / DELAY_B (and SEND_F / SEND_B) of `message_s`."""
 
+    message_cpu_s: Sequence[float] = ()
+    """Per stage boundary, CPU seconds one message across it costs the host
+    (`NetworkCost.message_cpu_time` of its bytes); () means none."""
+
     def factor(self, busy: int) -> float:
-        """The compute-time factor with `busy` ranks computing at once (>= 1 means slower)."""
+        """The compute-time factor with `busy` ranks computing at once (>= 1 means slower).
+
+        Beyond the largest measured count, a host already oversubscribed there (factor > 1)
+        shares its cores fairly: factor(top) x busy / top; otherwise the factor stays flat."""
+        top = max(self.slowdown, default=1)
+        if busy > top and self.slowdown.get(top, 1.0) > 1.0:
+            return self.slowdown[top] * busy / top
         return CostTable.slowdown_of(self.slowdown, busy)
 
     def delay(self, kind: str, busy: int) -> float:
@@ -64,7 +77,8 @@ class Sharing:
 
     def matters(self, num_stages: int) -> bool:
         """Whether any reachable busy count changes a duration or a delivery."""
-        counts = [self.replicas * k for k in range(1, num_stages + 1)]
+        extra = num_stages > 1 and any(w > 0 for w in self.message_cpu_s)
+        counts = [self.replicas * k for k in range(1, num_stages + 1 + extra)]
         return any(self.factor(n) != 1.0 for n in counts) or (
             num_stages > 1
             and len({(self.delay("F", n), self.delay("B", n), self.send("SEND_F", n), self.send("SEND_B", n))
@@ -101,17 +115,34 @@ class _Delays:
         return cost
 
 
+def _messages_busy(spans: list[list[Span]], sharing: Sharing) -> list[tuple[float, float]]:
+    """When each sent message's CPU work (`Sharing.message_cpu_s`) occupies the host: from the
+    send's start, for that work at the rate of the ranks computing then plus itself."""
+    if not any(w > 0 for w in sharing.message_cpu_s):
+        return []
+    busy = [(sp.start, sp.end) for stage in spans for sp in stage if sp.kind in COMPUTE_KINDS]
+    out = []
+    for s, stage in enumerate(spans):
+        for sp in stage:
+            if sp.kind in ("SEND_F", "SEND_B"):
+                work = sharing.message_cpu_s[s if sp.kind == "SEND_F" else s - 1]
+                computing = sum(a <= sp.start < b for a, b in busy)
+                out.append((sp.start, sp.start + work * sharing.factor(sharing.replicas * (computing + 1))))
+    return out
+
+
 def _stretch_all(
     spans: list[list[Span]], costs: Sequence[StageCost], sharing: Sharing
 ) -> dict[tuple[int, str, int], float]:
-    """Each compute action's duration under processor sharing, against the overlaps in `spans`."""
+    """Each compute action's duration under processor sharing, against the overlaps in `spans`
+    (the other stages' compute and the messages' CPU work)."""
     busy = [[(sp.start, sp.end) for sp in stage if sp.kind in COMPUTE_KINDS] for stage in spans]
+    messages = _messages_busy(spans, sharing)
     out = {}
     for s, stage in enumerate(spans):
         edges = sorted(
             (t, d)
-            for o, intervals in enumerate(busy)
-            if o != s
+            for intervals in (*(iv for o, iv in enumerate(busy) if o != s), messages)
             for a, b in intervals
             for t, d in ((a, 1), (b, -1))
         )
