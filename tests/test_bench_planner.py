@@ -128,4 +128,6 @@ def test_planner_bench_quick_reports_every_configuration() -> None:
     assert any(r["predicted_s"] != r["predicted_s_round_profile"] for r in rounds)
     assert report["max_abs_error"] == pytest.approx(max(abs(c["error"]) for c in configs))
     assert set(report["profile"]["compute_slowdown"]) == {"1", "2", "3", "4"}
+    for record in (r for per_world in report["profile"]["per_round"].values() for r in per_world):
+        assert record["delivery_s"] and all(t > 0 for _, t in record["message_cpu"])  # what each round used
     assert "mean |error|" in proc.stderr and "best gap" in proc.stderr  # the table

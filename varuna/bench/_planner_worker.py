@@ -295,6 +295,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 "forward_backward_s": _forward_backward(table),
                 "slowdown": table.compute_slowdown,
                 "delivery_s": table.network.delivery_s,
+                "message_cpu": table.network.message_cpu,
             }
         )
         for c, kept in zip(spec["configs"], rounds):
