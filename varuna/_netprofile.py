@@ -351,7 +351,7 @@ def profile_network(
     transfer = latency + MESSAGE_BYTES / bandwidth
     messages, reports_arrival = _messages(rank, device, MESSAGE_BYTES, 10 * repeats, transfer)
     delivery = _delivery(rank, world, device, MESSAGE_BYTES, 3 * repeats, transfer)
-    message_cpu = _message_cpu(rank, device, (MESSAGE_BYTES, 16 * MESSAGE_BYTES), 5 * repeats)
+    message_cpu = _message_cpu(rank, device, (MESSAGE_BYTES, 16 * MESSAGE_BYTES), 10 * repeats)
     curves = {g: _allreduce(g, world, rank, sizes, repeats, device) for g in wanted}
     by_world = {world: dict(curves)}
     if group_sizes is None:
