@@ -389,10 +389,19 @@ class CostTable:
     def slowdown(self, busy: int) -> float:
         """Compute-time factor while `busy` ranks compute at once (1.0 when unmeasured).
 
-        Between measured counts it interpolates linearly; beyond the largest it keeps that one's
-        factor (the profile cannot see contention among more ranks than it ran).
+        Between measured counts it interpolates linearly. Beyond the largest, a host already
+        oversubscribed there (factor > 1) shares its cores fairly: factor x busy / largest; one
+        that was not (a core or device per rank) keeps that factor.
         """
-        return self.slowdown_of(self.compute_slowdown, busy)
+        return self.compute_factor_of(self.compute_slowdown, busy)
+
+    @staticmethod
+    def compute_factor_of(table: Mapping[int, float], busy: int) -> float:
+        """`slowdown` for any table of compute-time factors per busy count."""
+        top = max(table, default=1)
+        if table and busy > top and table[top] > 1.0:
+            return table[top] * busy / top
+        return CostTable.slowdown_of(table, busy)
 
     @staticmethod
     def slowdown_of(table: Mapping[int, float], busy: int, one: float | None = 1.0) -> float:

@@ -51,14 +51,9 @@ class Sharing:
     (`NetworkCost.message_cpu_time` of its bytes); () means none."""
 
     def factor(self, busy: int) -> float:
-        """The compute-time factor with `busy` ranks computing at once (>= 1 means slower).
-
-        Beyond the largest measured count, a host already oversubscribed there (factor > 1)
-        shares its cores fairly: factor(top) x busy / top; otherwise the factor stays flat."""
-        top = max(self.slowdown, default=1)
-        if busy > top and self.slowdown.get(top, 1.0) > 1.0:
-            return self.slowdown[top] * busy / top
-        return CostTable.slowdown_of(self.slowdown, busy)
+        """The compute-time factor with `busy` ranks computing at once (>= 1 means slower);
+        beyond the counts measured, as `CostTable.slowdown`."""
+        return CostTable.compute_factor_of(self.slowdown, busy)
 
     def delay(self, kind: str, busy: int) -> float:
         """The delivery delay of a value of `kind` ("F" or "B") sent while `busy` ranks compute."""
