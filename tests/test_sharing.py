@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from varuna.errors import ScheduleError
 from varuna.sharing import Sharing
 from varuna.simulate import Span, StageCost, simulate
 
@@ -130,6 +131,10 @@ def test_messages_cpu_work_slows_the_stages_computing_meanwhile() -> None:
     # with a core to spare (2 cores) the message's work costs the stages nothing
     spare = Sharing(slowdown={1: 1.0, 2: 1.0, 3: 1.5}, message_cpu_s=[0.5])
     assert simulate("gpipe", 2, 1, [U, U], sharing=spare).step_s == near(6.0)
+    with pytest.raises(
+        ScheduleError, match=r"message_cpu_s = \[0.5\]: give 2 seconds >= 0, one per stage boundary"
+    ):
+        simulate("gpipe", 3, 1, [U, U, U], sharing=sharing)
 
 
 def test_replicas_share_the_cores_too() -> None:

@@ -212,6 +212,15 @@ def simulate_lowered(
         )
     if sharing is not None and sharing.replicas < 1:
         raise ScheduleError(f"Sharing.replicas = {sharing.replicas}; it must be at least 1")
+    if (
+        sharing is not None
+        and sharing.message_cpu_s
+        and (len(sharing.message_cpu_s) != num_stages - 1 or any(not w >= 0 for w in sharing.message_cpu_s))
+    ):
+        raise ScheduleError(
+            f"Sharing.message_cpu_s = {list(sharing.message_cpu_s)}: give {num_stages - 1} seconds >= 0, "
+            "one per stage boundary, or () for none"
+        )
     shared = sharing is not None and sharing.matters(num_stages)
     durations: dict[tuple[int, str, int], float] = {}
     change, step = float("inf"), 1.0
