@@ -60,6 +60,7 @@ def test_spearman_and_the_summary() -> None:
     # the predicted best (1x2) measured 1.25 s against the measured best's 1.0 s
     assert s["best_gap"] == pytest.approx(0.25)
     assert (s["predicted_best"], s["measured_best"]) == ("1x2 mbs 2 1f1b", "2x1 mbs 2 1f1b")
+    assert s["mean_error_by_shape"] == pytest.approx({"1x2": -0.2, "2x1": 0.05, "4x1": 0.0})
     assert s["targets_met"] == {
         "mean_abs_error": True,
         "max_abs_error": True,
@@ -131,3 +132,5 @@ def test_planner_bench_quick_reports_every_configuration() -> None:
     for record in (r for per_world in report["profile"]["per_round"].values() for r in per_world):
         assert record["delivery_s"] and all(t > 0 for _, t in record["message_cpu"])  # what each round used
     assert "mean |error|" in proc.stderr and "best gap" in proc.stderr  # the table
+    assert set(report["mean_error_by_shape"]) == {"1x2", "2x1", "2x2"}
+    assert "mean signed error by P x D: 1x2 " in proc.stderr

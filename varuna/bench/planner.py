@@ -206,6 +206,7 @@ def summarize(configs: list[dict[str, Any]]) -> dict[str, Any]:
         "best_gap": measured[best_predicted] / min(measured) - 1,
         "predicted_best": _label(configs[best_predicted]),
         "measured_best": _label(configs[measured.index(min(measured))]),
+        "mean_error_by_shape": _by_shape(configs, errors),
     }
     out["targets_met"] = {
         "mean_abs_error": out["mean_abs_error"] <= TARGETS["mean_abs_error"],
@@ -214,6 +215,15 @@ def summarize(configs: list[dict[str, Any]]) -> dict[str, Any]:
         "best_gap": out["best_gap"] <= TARGETS["best_gap"],
     }
     return out
+
+
+def _by_shape(configs: list[dict[str, Any]], errors: list[float]) -> dict[str, float]:
+    """P x D -> the mean signed error of its configurations: a bias the shape's own (e.g. ranks
+    sharing cores) shows here, where the mean |error| mixes it with the noise."""
+    shapes: dict[str, list[float]] = {}
+    for c, e in zip(configs, errors):
+        shapes.setdefault(f"{c['pipeline']}x{c['data']}", []).append(e)
+    return {shape: statistics.fmean(es) for shape, es in shapes.items()}
 
 
 def _label(c: dict[str, Any]) -> str:
@@ -403,6 +413,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"max {100 * report['max_abs_error']:.1f}% (<= 20%: {_yes(met['max_abs_error'])}), "
         f"spearman {report['spearman']:.3f} (>= 0.8: {_yes(met['spearman'])}), "
         f"best gap {100 * report['best_gap']:.1f}% (<= 5%: {_yes(met['best_gap'])})",
+        "mean signed error by P x D: "
+        + ", ".join(f"{shape} {100 * e:+.1f}%" for shape, e in report["mean_error_by_shape"].items()),
         f"predicted best {report['predicted_best']}, measured best {report['measured_best']}; "
         f"{report['disturbed']} configurations disturbed; wall time {report['wall_s']:.0f} s",
     ]
