@@ -19,6 +19,8 @@ down (4 ranks on 2 cores, 16 messages per stage and step of ~0.5 ms each: 2-4% o
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -81,22 +83,35 @@ class Sharing:
         )  # fmt: skip
 
 
+class _Computing:
+    """Which stages compute at a time t, from each stage's compute spans (in order, disjoint)."""
+
+    def __init__(self, spans: list[list[Span]]) -> None:
+        self.stages = [
+            ([sp.start for sp in stage if sp.kind in COMPUTE_KINDS], [sp.end for sp in stage if sp.kind in COMPUTE_KINDS])
+            for stage in spans
+        ]  # fmt: skip
+
+    def count(self, t: float, *, but: int | None = None) -> int:
+        """How many stages (other than `but`) compute at t: start <= t < end."""
+        n = 0
+        for s, (starts, ends) in enumerate(self.stages):
+            i = bisect.bisect_right(starts, t) - 1  # the last span starting by t: only it can hold t
+            n += s != but and i >= 0 and t < ends[i]
+        return n
+
+
 class _Delays:
     """Delivery delays from the busy stages of a previous pass (none yet: the sender alone)."""
 
     def __init__(self, sharing: Sharing, spans: list[list[Span]] | None) -> None:
         self.sharing = sharing
-        self.busy = [
-            [(sp.start, sp.end) for sp in stage if sp.kind in COMPUTE_KINDS] for stage in spans or []
-        ]
+        self.busy = _Computing(spans or [])
         self.used: list[float] = []  # every delay handed out, in order: equal in two passes = settled
 
     def _count(self, sender: int, t: float) -> int:
         """Busy ranks at time t: the sender (counted busy) and the stages computing then, x D."""
-        others = sum(
-            any(a <= t < b for a, b in intervals) for o, intervals in enumerate(self.busy) if o != sender
-        )
-        return self.sharing.replicas * (1 + others)
+        return self.sharing.replicas * (1 + self.busy.count(t, but=sender))
 
     def __call__(self, kind: str, sender: int, t: float) -> float:
         self.used.append(self.sharing.delay(kind, self._count(sender, t)))
@@ -115,13 +130,13 @@ def _messages_busy(spans: list[list[Span]], sharing: Sharing) -> list[tuple[floa
     send's start, for that work at the rate of the ranks computing then plus itself."""
     if not any(w > 0 for w in sharing.message_cpu_s):
         return []
-    busy = [(sp.start, sp.end) for stage in spans for sp in stage if sp.kind in COMPUTE_KINDS]
+    busy = _Computing(spans)
     out = []
     for s, stage in enumerate(spans):
         for sp in stage:
             if sp.kind in ("SEND_F", "SEND_B"):
                 work = sharing.message_cpu_s[s if sp.kind == "SEND_F" else s - 1]
-                computing = sum(a <= sp.start < b for a, b in busy)
+                computing = busy.count(sp.start)
                 out.append((sp.start, sp.start + work * sharing.factor(sharing.replicas * (computing + 1))))
     return out
 
@@ -135,11 +150,13 @@ def _stretch_all(
     messages = _messages_busy(spans, sharing)
     out = {}
     for s, stage in enumerate(spans):
-        edges = sorted(
-            (t, d)
-            for intervals in (*(iv for o, iv in enumerate(busy) if o != s), messages)
-            for a, b in intervals
-            for t, d in ((a, 1), (b, -1))
+        edges = _Edges(
+            sorted(
+                (t, d)
+                for intervals in (*(iv for o, iv in enumerate(busy) if o != s), messages)
+                for a, b in intervals
+                for t, d in ((a, 1), (b, -1))
+            )
         )
         for sp in stage:
             if sp.kind in COMPUTE_KINDS:
@@ -148,24 +165,34 @@ def _stretch_all(
     return out
 
 
-def _finish(start: float, work: float, edges: list[tuple[float, int]], sharing: Sharing) -> float:
+class _Edges:
+    """Sorted (time, +1 start / -1 end) edges of the intervals busy beside a stage, with the running
+    count after each, so that the count at any time is one bisection away."""
+
+    def __init__(self, edges: list[tuple[float, int]]) -> None:
+        self.times = [t for t, _ in edges]
+        self.after = list(itertools.accumulate(d for _, d in edges))
+
+    def at(self, t: float) -> tuple[int, int]:
+        """(index of the first edge after t, how many intervals are busy at t)."""
+        i = bisect.bisect_right(self.times, t)
+        return i, self.after[i - 1] if i else 0
+
+
+def _finish(start: float, work: float, edges: _Edges, sharing: Sharing) -> float:
     """Seconds from `start` until `work` seconds of lone compute are done, while the other stages
-    are busy as `edges` ((time, +1 start / -1 end), sorted) say and this one is busy throughout."""
-    others, i = 0, 0
-    while i < len(edges) and edges[i][0] <= start:
-        others += edges[i][1]
-        i += 1
+    are busy as `edges` say and this one is busy throughout."""
+    i, others = edges.at(start)
+    times = edges.times
     t, left = start, work
     while True:
         rate = 1.0 / sharing.factor(sharing.replicas * (1 + others))
-        nxt = edges[i][0] if i < len(edges) else float("inf")
+        nxt = times[i] if i < len(times) else float("inf")
         if left <= (nxt - t) * rate:
             return t + left / rate - start
         left -= (nxt - t) * rate
         t = nxt
-        while i < len(edges) and edges[i][0] <= t:
-            others += edges[i][1]
-            i += 1
+        i, others = edges.at(t)
 
 
 def _shared_updates(updates: list[float], sharing: Sharing) -> list[float]:
