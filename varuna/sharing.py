@@ -125,12 +125,11 @@ class _Delays:
         return cost
 
 
-def _messages_busy(spans: list[list[Span]], sharing: Sharing) -> list[tuple[float, float]]:
+def _messages_busy(spans: list[list[Span]], busy: _Computing, sharing: Sharing) -> list[tuple[float, float]]:
     """When each sent message's CPU work (`Sharing.message_cpu_s`) occupies the host: from the
-    send's start, for that work at the rate of the ranks computing then plus itself."""
+    send's start, for that work at the rate of the ranks computing then (`busy`) plus itself."""
     if not any(w > 0 for w in sharing.message_cpu_s):
         return []
-    busy = _Computing(spans)
     out = []
     for s, stage in enumerate(spans):
         for sp in stage:
@@ -146,14 +145,14 @@ def _stretch_all(
 ) -> dict[tuple[int, str, int], float]:
     """Each compute action's duration under processor sharing, against the overlaps in `spans`
     (the other stages' compute and the messages' CPU work)."""
-    busy = [[(sp.start, sp.end) for sp in stage if sp.kind in COMPUTE_KINDS] for stage in spans]
-    messages = _messages_busy(spans, sharing)
+    busy = _Computing(spans)
+    messages = _messages_busy(spans, busy, sharing)
     out = {}
     for s, stage in enumerate(spans):
         edges = _Edges(
             sorted(
                 (t, d)
-                for intervals in (*(iv for o, iv in enumerate(busy) if o != s), messages)
+                for intervals in (*(zip(*iv) for o, iv in enumerate(busy.stages) if o != s), messages)
                 for a, b in intervals
                 for t, d in ((a, 1), (b, -1))
             )
