@@ -131,6 +131,7 @@ def test_planner_bench_quick_reports_every_configuration() -> None:
     assert set(report["profile"]["compute_slowdown"]) == {"1", "2", "3", "4"}
     for record in (r for per_world in report["profile"]["per_round"].values() for r in per_world):
         assert record["delivery_s"] and all(t > 0 for _, t in record["message_cpu"])  # what each round used
+        assert 0 <= record["action_overhead_s"] < 0.01
     assert "mean |error|" in proc.stderr and "best gap" in proc.stderr  # the table
     assert set(report["mean_error_by_shape"]) == {"1x2", "2x1", "2x2"}
     assert "mean signed error by P x D: 1x2 " in proc.stderr

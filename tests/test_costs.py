@@ -214,3 +214,14 @@ def test_delivery_delays_round_trip_and_fall_back_to_the_fixed_delay(tmp_path: P
         NetworkCost(p2p_latency_s=0.0, p2p_bandwidth_Bps=1.0, delivery_s=sends).to_json()
     )
     assert back.delivery_s == sends
+
+
+def test_action_overhead_round_trips_validates_and_defaults_to_unmeasured(tmp_path: Path) -> None:
+    t = table(action_overhead_s=5e-4)
+    assert CostTable.load(t.save(tmp_path / "p.json")).action_overhead_s == 5e-4
+    legacy = t.to_json()
+    del legacy["action_overhead_s"]
+    assert CostTable.from_json(legacy).action_overhead_s == 0.0  # a profile from before: no charge
+    for bad in (-1e-3, float("nan")):
+        with pytest.raises(ConfigError, match=r"action_overhead_s = .*give seconds >= 0"):
+            table(action_overhead_s=bad)

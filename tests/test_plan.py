@@ -309,3 +309,24 @@ def test_predict_one_configuration_with_its_boundaries() -> None:
         predict(table, **(kw | {"pipeline": 16}))  # type: ignore[arg-type]
     with pytest.raises(PlanError, match=r"global batch 32 not divisible by D x mbs = 3 x 2"):
         predict(table, **(kw | {"data": 3}))  # type: ignore[arg-type]
+
+
+def test_the_runtime_overhead_per_action_is_charged_to_pipelined_stages_only() -> None:
+    import dataclasses
+
+    base = uniform_table(segments=2, boundary_bytes=0)
+    overhead = dataclasses.replace(base, action_overhead_s=5e-4)
+    kw = {"micro_batch_size": 1, "global_batch_size": 4, "schedule": "gpipe"}
+    # GPipe P=2 M=4, uniform 2/4 ms stages, nothing else: 5 forward slots + 5 backward slots
+    # (each with its 0.5 ms) and latency, against the same without
+    plain = predict(base, pipeline=2, data=1, **kw)  # type: ignore[arg-type]
+    charged = predict(overhead, pipeline=2, data=1, **kw)  # type: ignore[arg-type]
+    assert charged.predicted_step_s - plain.predicted_step_s == pytest.approx(10 * 5e-4)
+    # one stage: the profile's whole pass already holds the once-per-action cost
+    one = predict(overhead, pipeline=1, data=2, **kw)  # type: ignore[arg-type]
+    assert one.predicted_step_s == predict(base, pipeline=1, data=2, **kw).predicted_step_s  # type: ignore[arg-type]
+    recomputing = predict(overhead, pipeline=2, data=1, **{**kw, "schedule": "varuna"}, recompute=True)  # type: ignore[arg-type]
+    assert recomputing.timeline.busy_s[0] == pytest.approx(
+        predict(base, pipeline=2, data=1, **{**kw, "schedule": "varuna"}, recompute=True).timeline.busy_s[0]  # type: ignore[arg-type]
+        + 12 * 5e-4  # stage 0: 4 F, 4 R, 4 B
+    )

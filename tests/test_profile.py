@@ -216,7 +216,14 @@ def test_varuna_profile_two_ranks(tmp_path: Path) -> None:
     assert table.network.delivery_s[1]["SEND_F"] > 0  # a send is timed, never free
     assert [b for b, _ in table.network.message_cpu] == [1 << 16, 1 << 20]
     assert all(t > 0 for _, t in table.network.message_cpu)  # a message costs CPU on both ranks
-    assert not (run_dir / "engine.json").exists()  # the real engine never started: no training ran
+    # the calibration ran (a 2-stage spin pipeline on the job's ranks); on a model this tiny the
+    # simulator's message terms may already overcharge it, so 0 is a valid fit, a step's worth is not
+    assert (
+        "the runtime's own cost per action (2-stage pipeline" in (run_dir / "logs" / "rank0.log").read_text()
+    )
+    assert 0 <= table.action_overhead_s < 0.01
+    for written in ("engine.json", "events", "cache", "checkpoints"):  # what an engine writes into a run dir
+        assert not (run_dir / written).exists()  # neither the real engine nor the calibration's ran here
     assert "varuna profile" in (run_dir / "logs" / "rank0.log").read_text()  # the progress bar
 
 

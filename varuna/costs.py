@@ -359,6 +359,12 @@ class CostTable:
     (measured by the profile on its host; {} means each rank has a device of its own). On a CPU
     host with fewer cores than ranks this is about n / cores: the planner shares the cores among
     the busy stages (`varuna.simulate.Sharing`)."""
+    action_overhead_s: float = 0.0
+    """Seconds each compute action (F, B, R) of a pipelined stage (P > 1) takes beyond its segments'
+    profiled compute: what the runtime does per action, per message and per step that the other
+    terms miss (entering the model once per stage, the transport's threads under load, the step's
+    bookkeeping), fitted by the profile from a short pipeline of exactly known compute run with
+    the real runtime (`varuna._calibrate`). 0 when unmeasured."""
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -379,6 +385,10 @@ class CostTable:
                 )
         if self.tied_bytes < 0:
             raise ConfigError(f"CostTable.tied_bytes = {self.tied_bytes}; bytes cannot be negative")
+        if not math.isfinite(self.action_overhead_s) or self.action_overhead_s < 0:
+            raise ConfigError(
+                f"CostTable.action_overhead_s = {self.action_overhead_s!r}; give seconds >= 0 (0: unmeasured)"
+            )
         for n, factor in self.compute_slowdown.items():
             if not isinstance(n, int) or n < 1 or not math.isfinite(factor) or factor <= 0:
                 raise ConfigError(
@@ -439,6 +449,7 @@ class CostTable:
             "micro_batch_sizes": list(self.micro_batch_sizes),
             "tied_bytes": self.tied_bytes,
             "compute_slowdown": {str(n): f for n, f in sorted(self.compute_slowdown.items())},
+            "action_overhead_s": self.action_overhead_s,
             "network": self.network.to_json(),
             "segments": [s.to_json() for s in self.segments],
         }
@@ -468,6 +479,7 @@ class CostTable:
                 n: float(f)
                 for n, f in _int_keys(data.get("compute_slowdown", {}), "compute_slowdown").items()
             },
+            action_overhead_s=float(data.get("action_overhead_s", 0.0)),
         )
 
     def save(self, path: str | Path) -> Path:

@@ -416,11 +416,12 @@ def _evaluate(
     if boundaries is None:
         boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
     stages = _stage_ranges(boundaries, len(segs))
+    extra = table.action_overhead_s if pipeline > 1 else 0.0  # the profile's pass holds one stage's
     costs = [
         StageCost(
-            forward_s=sum(segs[j].forward_s[mbs] for j in r),
-            backward_s=sum(segs[j].backward_s[mbs] for j in r),
-            recompute_s=sum(segs[j].recompute_at(mbs) for j in r),
+            forward_s=sum(segs[j].forward_s[mbs] for j in r) + extra,
+            backward_s=sum(segs[j].backward_s[mbs] for j in r) + extra,
+            recompute_s=sum(segs[j].recompute_at(mbs) for j in r) + extra,
         )
         for r in stages
     ]

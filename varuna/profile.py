@@ -23,12 +23,16 @@ Per segment (the code between two CutPoints) and micro-batch size, a profile rec
     param/grad/optimizer bytes, a tied weight counted in its first segment only
 
 and, inside a job (`run_profile`), how much slower a rank computes while n ranks compute at once
-(`measure_slowdown`: on a CPU host with fewer cores than ranks, about n / cores).
+(`measure_slowdown`: on a CPU host with fewer cores than ranks, about n / cores), and on CPU the
+seconds each compute action of a pipelined stage costs beyond its segments' compute, fitted from
+a short pipeline of exactly known compute run with the real engine (`varuna._calibrate`:
+`CostTable.action_overhead_s`, ~0.5 ms per action with gloo on 2 cores; about 5 s).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -43,6 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
+from varuna._calibrate import fit_action_overhead
 from varuna._netprofile import NETWORK_SIZES, profile_network
 from varuna._passes import _device_of, _micro_batch, _micro_len, _preserved
 from varuna._slowdown import measure_slowdown
@@ -352,7 +357,8 @@ def run_profile(
     progress: bool = True,
 ) -> CostTable:
     """Profile inside a job (every rank calls it): the network and the compute slowdown with
-    1..world ranks busy on all ranks, then the model on rank 0.
+    1..world ranks busy on all ranks, then the model on rank 0, then (on CPU) the runtime's own
+    cost per action on all ranks (`varuna._calibrate.fit_action_overhead`).
 
     Every rank returns the same table; rank 0 writes it to ``RUN_DIR/profile.json`` (`run_dir`
     defaults to the launcher's ``VARUNA_RUN_DIR``). The other ranks wait in a broadcast while
@@ -378,6 +384,10 @@ def run_profile(
         box[0] = table.to_json()
     dist.broadcast_object_list(box, src=0)
     table = CostTable.from_json(box[0])
+    if progress and rank == 0 and table.device == "cpu":
+        print(f"varuna profile: the runtime's own cost per action ({world}-stage pipeline of known compute)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    table = dataclasses.replace(table, action_overhead_s=fit_action_overhead(table))
     where = Path(run_dir) if run_dir is not None else launch_env().run_dir
     if rank == 0 and where is not None:
         path = table.save(where / PROFILE_FILE)

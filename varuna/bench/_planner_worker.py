@@ -296,6 +296,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 "slowdown": table.compute_slowdown,
                 "delivery_s": table.network.delivery_s,
                 "message_cpu": table.network.message_cpu,
+                "action_overhead_s": table.action_overhead_s,
             }
         )
         for c, kept in zip(spec["configs"], rounds):

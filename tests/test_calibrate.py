@@ -1,0 +1,52 @@
+"""The runtime's cost per action (`varuna._calibrate`): the fit and the host's core sharing.
+
+The collective part, a real spin pipeline on every rank, runs in `test_profile`'s two-rank
+`varuna profile` job, which checks that it leaves the run directory alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from varuna._calibrate import _core_sharing, _solve, _SpinModel
+
+
+def test_solve_finds_the_overhead_that_closes_the_gap() -> None:
+    # 16 actions on the critical path, 100 ms without overhead, 108 ms measured: 0.5 ms each
+    assert _solve(lambda c: 0.1 + 16 * c, 0.108) == pytest.approx(5e-4, abs=2e-6)
+    # a nondecreasing prediction with a flat part and a jump still lands where it crosses
+    stepwise = lambda c: 0.1 if c < 1e-3 else 0.1 + 20 * c  # noqa: E731
+    assert _solve(stepwise, 0.125) == pytest.approx(1.25e-3, abs=2e-6)
+    # more than the whole measured step per action: the search widens
+    assert _solve(lambda c: 1e-3 + c / 100, 0.5) == pytest.approx(49.9, rel=1e-4)
+
+
+def test_solve_never_goes_below_zero() -> None:
+    """A prediction already at or above the measurement (the simulator's other terms overcharge a
+    tiny model) charges nothing: an action cannot take negative time."""
+    assert _solve(lambda c: 0.02 + c, 0.013) == 0.0
+    assert _solve(lambda c: 0.013 + c, 0.013) == 0.0
+
+
+def test_core_sharing_follows_the_cores_of_each_host() -> None:
+    assert _core_sharing([("a", 2)] * 4) == {1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0}
+    assert _core_sharing([("a", 8)] * 4) == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
+    # two hosts of one core each: n busy ranks spread over both, half of them on each
+    assert _core_sharing([("a", 1), ("a", 1), ("b", 1), ("b", 1)]) == {1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0}
+
+
+def test_the_spin_model_costs_the_cpu_time_it_is_given() -> None:
+    import time
+
+    import torch
+
+    model = _SpinModel(2, forward_s=0.01, backward_s=0.02)
+    x = torch.randn(3, 8, requires_grad=True)
+    t0 = time.thread_time()
+    loss = model(x)
+    t1 = time.thread_time()
+    loss.backward()
+    t2 = time.thread_time()
+    assert 0.02 <= t1 - t0 < 0.03 and 0.04 <= t2 - t1 < 0.05  # two blocks each way
+    assert x.grad is not None and x.grad.shape == (3, 8)
+    assert len(model.cuts) == 1 and sum(p.numel() for p in model.parameters()) == 2
