@@ -41,12 +41,12 @@ def test_the_spin_model_costs_the_cpu_time_it_is_given() -> None:
     import torch
 
     model = _SpinModel(2, forward_s=0.01, backward_s=0.02)
-    x = torch.randn(3, 8, requires_grad=True)
+    x = torch.randn(3, 8)  # a batch: no gradient wanted, as at the first stage
     t0 = time.thread_time()
     loss = model(x)
     t1 = time.thread_time()
     loss.backward()
     t2 = time.thread_time()
     assert 0.02 <= t1 - t0 < 0.03 and 0.04 <= t2 - t1 < 0.05  # two blocks each way
-    assert x.grad is not None and x.grad.shape == (3, 8)
+    assert all(p.grad is not None for p in model.parameters())
     assert len(model.cuts) == 1 and sum(p.numel() for p in model.parameters()) == 2

@@ -77,7 +77,9 @@ class _Block(nn.Module):
         self.register_buffer("scratch", torch.ones(_SCRATCH), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Spin.apply(x, self.forward_s, self.backward_s, self.scratch) * self.scale
+        # the parameter first: the first stage's input (the batch) needs no gradient, and a spin
+        # on it alone would never run backward there
+        return _Spin.apply(x * self.scale, self.forward_s, self.backward_s, self.scratch)
 
 
 class _SpinModel(nn.Module):
