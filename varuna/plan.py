@@ -416,7 +416,7 @@ def _evaluate(
     if boundaries is None:
         boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
     stages = _stage_ranges(boundaries, len(segs))
-    extra = table.action_overhead_s if pipeline > 1 else 0.0  # the profile's pass holds one stage's
+    extra = table.action_overhead_s if pipeline > 1 else 0.0  # one stage: exactly the profiled pass
     costs = [
         StageCost(
             forward_s=sum(segs[j].forward_s[mbs] for j in r) + extra,

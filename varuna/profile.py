@@ -26,7 +26,7 @@ and, inside a job (`run_profile`), how much slower a rank computes while n ranks
 (`measure_slowdown`: on a CPU host with fewer cores than ranks, about n / cores), and on CPU the
 seconds each compute action of a pipelined stage costs beyond its segments' compute, fitted from
 a short pipeline of exactly known compute run with the real engine (`varuna._calibrate`:
-`CostTable.action_overhead_s`, ~0.5 ms per action with gloo on 2 cores; about 5 s).
+`CostTable.action_overhead_s`, ~0.6-1.9 ms per action with gloo on 2 cores; about 5 s).
 """
 
 from __future__ import annotations
@@ -384,11 +384,14 @@ def run_profile(
         box[0] = table.to_json()
     dist.broadcast_object_list(box, src=0)
     table = CostTable.from_json(box[0])
-    if progress and rank == 0 and table.device == "cpu":
-        print(f"varuna profile: the runtime's own cost per action ({world}-stage pipeline of known compute)",
-              file=sys.stderr, flush=True)  # fmt: skip
-    table = dataclasses.replace(table, action_overhead_s=fit_action_overhead(table))
     where = Path(run_dir) if run_dir is not None else launch_env().run_dir
+    if table.device == "cpu":
+        if rank == 0 and where is not None:  # the minutes of measurement above survive a failure below
+            table.save(where / PROFILE_FILE)
+        if progress and rank == 0:
+            print(f"varuna profile: the runtime's own cost per action ({world}-stage pipeline of known "
+                  "compute)", file=sys.stderr, flush=True)  # fmt: skip
+        table = dataclasses.replace(table, action_overhead_s=fit_action_overhead(table))
     if rank == 0 and where is not None:
         path = table.save(where / PROFILE_FILE)
         print(f"varuna: profile of {table.num_segments} segments written to {path}", file=sys.stderr)
