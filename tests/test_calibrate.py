@@ -50,3 +50,19 @@ def test_the_spin_model_costs_the_cpu_time_it_is_given() -> None:
     assert 0.02 <= t1 - t0 < 0.03 and 0.04 <= t2 - t1 < 0.05  # two blocks each way
     assert all(p.grad is not None for p in model.parameters())
     assert len(model.cuts) == 1 and sum(p.numel() for p in model.parameters()) == 2
+
+
+def test_patched_environ_sets_removes_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from varuna._env import patched_environ
+
+    monkeypatch.setenv("VARUNA_T_KEEP", "old")
+    monkeypatch.delenv("VARUNA_T_NEW", raising=False)
+    with patched_environ({"VARUNA_T_KEEP": None, "VARUNA_T_NEW": "1"}):
+        assert "VARUNA_T_KEEP" not in os.environ and os.environ["VARUNA_T_NEW"] == "1"
+        os.environ["VARUNA_T_NEW"] = "changed inside"
+    assert os.environ["VARUNA_T_KEEP"] == "old" and "VARUNA_T_NEW" not in os.environ
+    with pytest.raises(RuntimeError), patched_environ({"VARUNA_T_KEEP": "during"}):
+        raise RuntimeError("the block fails")
+    assert os.environ["VARUNA_T_KEEP"] == "old"  # put back on failure too

@@ -8,11 +8,12 @@ finished and measured a bubble.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+from varuna._env import patched_environ
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -26,19 +27,11 @@ def execute(name: str, tmp_path: Path, timeout: int) -> nbformat.NotebookNode:
     shutil.copytree(NOTEBOOKS, work)
     nb = nbformat.read(work / name, as_version=4)
     env = {"VARUNA_NOTEBOOK_SMALL": "1", "OMP_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the kernel inherits this process's environment
-    try:
+    with patched_environ(env):  # the kernel inherits this process's environment
         client = nbclient.NotebookClient(
             nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(work)}}
         )
         client.execute()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return nb
 
 

@@ -25,7 +25,6 @@ CPU spin would stand for nothing there, so the result is 0 (unmeasured).
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import tempfile
 import time
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from varuna._env import patched_environ
 from varuna.costs import CostTable, SegmentCost
 from varuna.cutpoint import CutPoint
 from varuna.distributed import host_layout
@@ -104,20 +104,9 @@ class _SpinModel(nn.Module):
 def _private_engine_env() -> Iterator[str]:
     """A scratch run directory, and no telemetry, resume or controller for the calibration's
     engine: it must not write into the job's run directory nor say hello to a workbench."""
-    keys = ("VARUNA_TELEMETRY", "VARUNA_RESUME", "VARUNA_EVENTS", "VARUNA_COMMANDS")
-    saved = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        os.environ.pop(k, None)
-    os.environ["VARUNA_TELEMETRY"] = "0"
-    try:
-        with tempfile.TemporaryDirectory(prefix="varuna-calibrate-") as scratch:
-            yield scratch
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    quiet = {"VARUNA_TELEMETRY": "0", "VARUNA_RESUME": None, "VARUNA_EVENTS": None, "VARUNA_COMMANDS": None}
+    with patched_environ(quiet), tempfile.TemporaryDirectory(prefix="varuna-calibrate-") as scratch:
+        yield scratch
 
 
 def _core_sharing(layout: Sequence[tuple[str, int]]) -> dict[int, float]:
