@@ -15,7 +15,7 @@ in a real run. It then finds the seconds `c` that, added to every compute action
 pipeline in `varuna.plan.predict` (with the job's measured network and the host's cores shared
 fairly), make the prediction equal the measured step. The planner adds `c` to every action of
 every pipelined configuration (`CostTable.action_overhead_s`). With gloo on 2 cores `c` came out
-1.0-1.9 ms at 2 ranks and 0.6-1.8 ms at 4 for the bench's GPT, and the planner's mean error per
+0.9-2.4 ms at 2 ranks and 0.6-1.8 ms at 4 for the bench's GPT, and the planner's mean error per
 shape went from -3..-10% to within +-5%.
 
 Collective: every rank calls it. CPU (gloo) only: on CUDA the compute runs on the devices and a
