@@ -6,6 +6,8 @@ The collective part, a real spin pipeline on every rank, runs in `test_profile`'
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from varuna._calibrate import _core_sharing, _solve, _SpinModel
@@ -66,3 +68,26 @@ def test_patched_environ_sets_removes_and_restores(monkeypatch: pytest.MonkeyPat
     with pytest.raises(RuntimeError), patched_environ({"VARUNA_T_KEEP": "during"}):
         raise RuntimeError("the block fails")
     assert os.environ["VARUNA_T_KEEP"] == "old"  # put back on failure too
+
+
+def test_the_calibration_pipeline_runs_the_real_engine_and_leaves_the_process_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank (a one-process group): the spin pipeline's step is at least its compute, and
+    neither the RNG, the environment nor the working directory show that it ran."""
+    import os
+
+    import torch
+
+    from varuna._calibrate import _measure
+    from varuna.distributed import init_distributed
+
+    init_distributed()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VARUNA_TELEMETRY", "1")
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    step = _measure(1, 3, 0.002, 0.004, 16, steps=2, warmup=1)
+    assert 3 * 0.006 <= step < 1.0  # 3 micro-batches of a 2 ms forward and a 4 ms backward
+    assert torch.equal(torch.get_rng_state(), state)
+    assert os.environ["VARUNA_TELEMETRY"] == "1" and list(tmp_path.iterdir()) == []

@@ -149,13 +149,15 @@ def _spin_table(table: CostTable, stages: int, forward_s: float, backward_s: flo
 
 def _measure(stages: int, microbatches: int, forward_s: float, backward_s: float, width: int,
              steps: int, warmup: int) -> float:  # fmt: skip
-    """Median over the timed steps of the slowest rank's step time of the spin pipeline."""
+    """Median over the timed steps of the slowest rank's step time of the spin pipeline. The
+    process's RNG is left as it was (under `pipeline="auto"` the user's training follows)."""
     from varuna.engine import Varuna  # the engine's modules import varuna.profile, which imports us
 
-    torch.manual_seed(0)
-    model = _SpinModel(stages, forward_s, backward_s)
-    batch = {"x": torch.randn(microbatches, width)}
-    with _private_engine_env() as scratch:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _SpinModel(stages, forward_s, backward_s)
+        batch = {"x": torch.randn(microbatches, width)}
+    with torch.random.fork_rng(devices=[]), _private_engine_env() as scratch:
         engine = Varuna(
             model,
             pipeline=stages,
