@@ -129,7 +129,6 @@ def _spin_table(table: CostTable, stages: int, forward_s: float, backward_s: flo
     segment = SegmentCost(
         forward_s={1: forward_s},
         backward_s={1: backward_s},
-        recompute_s={1: forward_s},
         activation_bytes={1: nbytes},
         activation_memory_bytes={1: nbytes},
         param_bytes=4,
