@@ -54,12 +54,57 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
     # Same seed, same batch: every system's first loss is the same number (a correctness check, not a timing).
     assert report["model"]["first_loss_spread"] < 1e-4
 
+    # One job ran every system: at each schedule both systems run, they alternated step by step,
+    # each round giving one pair ratio, and the baseline ran in the same rounds.
+    steps = report["model"]["paired_steps"]
+    for r in report["results"]:
+        if r["system"] == "single":
+            assert r["paired_with"] in ("gpipe", "1f1b") and len(r["step_s"]) == steps
+            continue
+        assert len(r["step_s"]) == steps
+        assert r["boundaries"] == report["results"][0]["boundaries"]  # both systems, every schedule
+        if r["schedule"] == "varuna":
+            assert "pair_ratios" not in r and "of_ideal_per_round" not in r
+        else:
+            assert r["paired"] and len(r["pair_ratios"]) == steps and len(r["of_ideal_per_round"]) == steps
     ratios = report["ratios"]
     pipelines = sorted({r["pipeline"] for r in report["results"] if r["system"] != "single"})
     for P in pipelines:
         assert set(ratios["varuna_over_torch_pipelining"][f"P{P}"]) == {"gpipe", "1f1b"}
         assert set(ratios["of_bubble_ideal"]["varuna"][f"P{P}"]) == {"gpipe", "1f1b", "varuna"}
+        assert set(ratios["paired"]["varuna_over_torch_pipelining"][f"P{P}"]) == {"gpipe", "1f1b"}
         assert f"P{P}" in ratios["oversubscribed"]
+
+
+def test_the_baseline_joins_the_rounds_of_the_shared_schedules() -> None:
+    from varuna.bench._pipeline_worker import _with_single
+
+    spec = {"single": True, "varuna_schedules": ["gpipe", "1f1b", "varuna"], "torch_schedules": ["1f1b"]}
+    assert [s for s in ("gpipe", "1f1b", "varuna") if _with_single(spec, s)] == ["1f1b"]
+    spec["torch_schedules"] = []  # nothing shared: the first schedule's rounds only
+    assert [s for s in ("gpipe", "1f1b", "varuna") if _with_single(spec, s)] == ["gpipe"]
+    spec["single"] = False
+    assert not any(_with_single(spec, s) for s in ("gpipe", "1f1b", "varuna"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"varuna_schedules": ()}, "varuna_schedules is empty"),
+        ({"pipelines": (2, 2)}, "names a P twice"),
+        ({"pipelines": (9,)}, r"\[2, n_layer\] = \[2, 8\]"),
+        ({"torch_schedules": ("zb",)}, "'zb' is not one of"),
+        ({"global_batch_size": 30}, "multiple of micro_batch_size"),
+    ],
+)
+def test_bad_bench_settings_name_the_fix(change: dict, message: str) -> None:
+    from dataclasses import replace
+
+    from varuna.bench.pipeline import full
+    from varuna.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        replace(full(), **change)
 
 
 def test_share_of_ideal() -> None:

@@ -1,20 +1,19 @@
 """One measured job of the pipeline benchmark: every rank runs this module, rank 0 writes the results.
 
-    python -m varuna.bench._pipeline_worker SPEC.json                      # system "single"
-    varuna run --pipeline P -m varuna.bench._pipeline_worker SPEC.json     # "varuna", "torch.pipelining"
+    varuna run --pipeline P -m varuna.bench._pipeline_worker SPEC.json
 
-SPEC.json (written by `varuna.bench.pipeline`) names the system, the model config, the batch shape,
-the schedules to run one after the other in this one job, the step counts and the output file.
-Every system trains the same GPT (same seed, so the same initial weights) on the same global
-batches with AdamW, one torch thread per rank. A step is timed from a barrier that lines the ranks
-up to the end of the optimizer step; its time is the slowest rank's.
+SPEC.json (written by `varuna.bench.pipeline`) gives the model config, the batch shape, P, the
+schedules of each system, whether the one-process baseline joins the rounds, the step counts and
+the output file. The job runs every system at that P, schedule by schedule, alternating step by
+step (`run_rounds`). Every system trains the same GPT (same seed, so the same initial weights) on
+the same global batches with AdamW, one torch thread per rank. A step is timed from a barrier that
+lines the ranks up to the end of the optimizer step; its time is the slowest rank's.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import statistics
 import sys
 import time
@@ -124,27 +123,6 @@ class _SingleRunner:
         return total
 
 
-def run_single(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """`_SingleRunner` in this one process."""
-    runner = _SingleRunner(spec)
-    M = runner.M
-    clock, losses = _Clock(), []
-    for batch in _batches(spec):
-        clock.start()
-        losses.append(runner.step(batch))
-        clock.stop()
-    return [
-        {
-            "system": "single",
-            "schedule": None,
-            "pipeline": 1,
-            "microbatches": M,
-            **_summary(clock.wall, [clock.cpu], spec),
-            "first_loss": losses[0],
-        }
-    ]
-
-
 # ------------------------------------------------------------------------------------------ varuna
 
 
@@ -177,51 +155,6 @@ class _VarunaRunner:
 
     def step(self, batch: dict[str, Tensor]) -> float | None:
         return self.engine.step(batch)
-
-
-def run_varuna(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    batches = _batches(spec)
-    P = spec["pipeline"]
-    results = []
-    for schedule in spec["schedules"]:
-        runner = _VarunaRunner(spec, schedule, batches[0])
-        engine = runner.engine
-        if engine.rank == 0:
-            _log(f"varuna P={P} {schedule}: boundaries {list(engine.partition.boundaries)}")
-        clock, losses = _Clock(), []
-        for batch in batches:
-            dist.barrier()
-            clock.start()
-            losses.append(runner.step(batch))
-            clock.stop()
-        timed = engine.history[spec["warmup"] :]
-        mine = {
-            "step_s": clock.wall,
-            "cpu_s": clock.cpu,
-            "idle_fraction": sum(h["idle_s"] for h in timed) / sum(h["time_s"] for h in timed),
-            "comm_fraction": sum(h["comm_s"] for h in timed) / sum(h["time_s"] for h in timed),
-        }
-        every = _gather(mine)
-        slowest = [max(r["step_s"][i] for r in every) for i in range(len(batches))]
-        results.append(
-            {
-                "system": "varuna",
-                "schedule": schedule,
-                "pipeline": P,
-                "microbatches": engine.config.num_microbatches,
-                **_summary(slowest, [r["cpu_s"] for r in every], spec),
-                "boundaries": list(engine.partition.boundaries),
-                "idle_fraction_per_stage": [round(r["idle_fraction"], 4) for r in every],
-                "comm_fraction_per_stage": [round(r["comm_fraction"], 4) for r in every],
-                "first_loss": losses[0],
-            }
-        )
-        engine.close()
-        if engine.rank == 0:
-            _log(f"varuna P={P} {schedule}: {results[-1]['samples_per_s']:.2f} samples/s")
-    return results
 
 
 # -------------------------------------------------------------------------------- torch.pipelining
@@ -314,133 +247,126 @@ class _TorchRunner:
         return float(torch.stack(mb_losses).detach().mean()) if mb_losses else None
 
 
-def run_torch_pipelining(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    rank, P = dist.get_rank(), dist.get_world_size()
-    batches = _batches(spec)
-    M = spec["global_batch_size"] // spec["micro_batch_size"]
-    results = []
-    for name in spec["schedules"]:
-        runner = _TorchRunner(spec, name)
-        clock, losses = _Clock(), []
-        for batch in batches:
-            dist.barrier()
-            clock.start()
-            losses.append(runner.step(batch))
-            clock.stop()
-        every = _gather({"step_s": clock.wall, "cpu_s": clock.cpu, "losses": losses})
-        slowest = [max(r["step_s"][i] for r in every) for i in range(len(batches))]
-        results.append(
-            {
-                "system": "torch.pipelining",
-                "schedule": name,
-                "pipeline": P,
-                "microbatches": M,
-                **_summary(slowest, [r["cpu_s"] for r in every], spec),
-                "boundaries": spec["boundaries"],
-                "first_loss": every[-1]["losses"][0],
-            }
-        )
-        if rank == 0:
-            _log(f"torch.pipelining P={P} {name}: {results[-1]['samples_per_s']:.2f} samples/s")
-    return results
+# -------------------------------------------------------------------------------------------- rounds
 
 
-# -------------------------------------------------------------------------------------------- paired
+def _with_single(spec: dict[str, Any], schedule: str) -> bool:
+    """Whether the one-process baseline joins the rounds of `schedule`: those of every schedule both
+    systems run, or (when they share none) those of the first schedule only."""
+    if not spec["single"]:
+        return False
+    shared = [s for s in spec["varuna_schedules"] if s in spec["torch_schedules"]]
+    return schedule in shared if shared else schedule == spec["varuna_schedules"][0]
 
 
-def run_paired(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Varuna, torch.pipelining and the one-process baseline in the same job, step by step in turn.
+def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every system of every schedule at one P in this one job, step by step in turn.
 
-    This host's speed drifts by tens of percent over minutes, so two jobs a minute apart compare the
-    host as much as the systems. Here step k of each system runs right after step k of the others
-    (the order rotating), on the same processes, weights and batches: each round's ratio cancels
-    the drift, and their median is the comparison. The baseline ("single": the whole model on
-    rank 0, the other ranks waiting at the next barrier) runs in the same rounds, so a pipeline's
-    share of its ideal compares it with the host as it was at the same time.
+    This host's speed drifts by tens of percent over minutes, so two jobs a minute apart compare
+    the host as much as the systems. Here, for each schedule, step k of each system runs right
+    after step k of the others (the order rotating), on the same processes, weights and batches:
+    each round's ratio of torch.pipelining's step over Varuna's cancels the drift, and their median
+    is the comparison (`pair_ratios`). With `spec["single"]` the baseline ("single": the whole model
+    on rank 0, the other ranks waiting at the next barrier) runs in the same rounds, so a
+    pipeline's share of its ideal compares it with the host as it was at the same time
+    (`of_ideal_per_round`). One job per P also means one start-up per P, not one per system.
+
+    Varuna's first engine chooses the boundaries (`spec["partition"]`, "balanced" by default);
+    every later engine and every torch.pipelining stage of the job is cut at the same ones.
     """
     import torch.distributed as dist
 
     batches = _batches(spec)
     P, rank = spec["pipeline"], dist.get_rank()
-    results = []
-    for name in spec["schedules"]:
-        single = _SingleRunner(spec, active=rank == 0)  # fresh weights, as every system's
-        ours = _VarunaRunner(spec, name, batches[0])
-        systems: dict[str, _VarunaRunner | _TorchRunner | _SingleRunner] = {
-            "varuna": ours,
-            "torch.pipelining": _TorchRunner(spec, name),
-            "single": single,
-        }
-        clocks = {k: _Clock() for k in systems}
-        losses: dict[str, list[float | None]] = {k: [] for k in systems}
+    M = spec["global_batch_size"] // spec["micro_batch_size"]
+    w = spec["warmup"]
+    varuna_schedules, torch_schedules = spec["varuna_schedules"], spec["torch_schedules"]
+    schedules = list(varuna_schedules) + [s for s in torch_schedules if s not in varuna_schedules]
+    results: list[dict[str, Any]] = []
+    for name in schedules:
+        systems: dict[str, _VarunaRunner | _TorchRunner | _SingleRunner] = {}
+        engine = None
+        if name in varuna_schedules:
+            runner = _VarunaRunner(spec, name, batches[0])
+            engine = runner.engine
+            if "boundaries" not in spec:  # the first engine chose them: every other system uses them
+                spec["boundaries"] = spec["partition"] = list(engine.partition.boundaries)
+                if rank == 0:
+                    _log(f"P={P}: boundaries {spec['boundaries']}")
+            systems["varuna"] = runner
+        if name in torch_schedules:
+            systems["torch.pipelining"] = _TorchRunner(spec, name)
+        if _with_single(spec, name):
+            systems["single"] = _SingleRunner(spec, active=rank == 0)
+        names = list(systems)
+        clocks = {k: _Clock() for k in names}
+        losses: dict[str, list[float | None]] = {k: [] for k in names}
         for k, batch in enumerate(batches):
-            names = list(systems)
-            order = names[k % len(names) :] + names[: k % len(names)]
-            for system in order:
+            for system in names[k % len(names) :] + names[: k % len(names)]:
                 dist.barrier()
                 clocks[system].start()
                 losses[system].append(systems[system].step(batch))
                 clocks[system].stop()
-        ours.engine.close()
-        every = _gather(
-            {k: {"step_s": c.wall, "cpu_s": c.cpu, "losses": losses[k]} for k, c in clocks.items()}
-        )
-        slowest = {k: [max(r[k]["step_s"][i] for r in every) for i in range(len(batches))] for k in systems}
-        first_losses = {
-            k: next(r[k]["losses"][0] for r in every if r[k]["losses"][0] is not None) for k in systems
-        }
-        M = spec["global_batch_size"] // spec["micro_batch_size"]
-        w = spec["warmup"]
-        pairs = [t / v for t, v in zip(slowest["torch.pipelining"][w:], slowest["varuna"][w:])]
-        baseline = _summary(slowest["single"], [every[0]["single"]["cpu_s"]], spec)
-        for system in ("varuna", "torch.pipelining"):
-            ideal = [share_of_ideal(s, t, P, M) for s, t in zip(slowest[system][w:], slowest["single"][w:])]
-            results.append(
-                {
-                    "system": system,
-                    "schedule": name,
-                    "pipeline": P,
-                    "microbatches": M,
-                    **_summary(slowest[system], [r[system]["cpu_s"] for r in every], spec),
-                    "boundaries": spec["boundaries"],
-                    "first_loss": first_losses[system],
-                    "paired": True,
-                    "pair_ratios": [round(x, 4) for x in pairs],
-                    "single_samples_per_s": baseline["samples_per_s"],
-                    "of_ideal_per_round": [round(x, 4) for x in ideal],
-                }
-            )
-        results.append(
-            {
-                "system": "single",
-                "schedule": None,
-                "pipeline": 1,
-                "microbatches": M,
-                **baseline,
-                "first_loss": first_losses["single"],
-                "paired": True,
-                "paired_with": name,
+        mine = {k: {"step_s": c.wall, "cpu_s": c.cpu, "losses": losses[k]} for k, c in clocks.items()}
+        fractions = {}
+        if engine is not None:
+            timed = engine.history[w:]
+            total = sum(h["time_s"] for h in timed)
+            fractions = {
+                "idle": sum(h["idle_s"] for h in timed) / total,
+                "comm": sum(h["comm_s"] for h in timed) / total,
             }
-        )
+            engine.close()
+        every = _gather({"systems": mine, "fractions": fractions})
+        slowest = {
+            k: [max(r["systems"][k]["step_s"][i] for r in every) for i in range(len(batches))] for k in names
+        }
+        first = {
+            k: next(r["systems"][k]["losses"][0] for r in every if r["systems"][k]["losses"][0] is not None)
+            for k in names
+        }
+        baseline = None
+        if "single" in systems:
+            baseline = _summary(slowest["single"], [every[0]["systems"]["single"]["cpu_s"]], spec)
+        for system in ("varuna", "torch.pipelining"):
+            if system not in systems:
+                continue
+            record: dict[str, Any] = {
+                "system": system,
+                "schedule": name,
+                "pipeline": P,
+                "microbatches": M,
+                **_summary(slowest[system], [r["systems"][system]["cpu_s"] for r in every], spec),
+                "boundaries": spec["boundaries"],
+            }
+            if system == "varuna":
+                record["idle_fraction_per_stage"] = [round(r["fractions"]["idle"], 4) for r in every]
+                record["comm_fraction_per_stage"] = [round(r["fractions"]["comm"], 4) for r in every]
+            record["first_loss"] = first[system]
+            if "varuna" in systems and "torch.pipelining" in systems:
+                record["paired"] = True
+                record["pair_ratios"] = [
+                    round(t / v, 4) for t, v in zip(slowest["torch.pipelining"][w:], slowest["varuna"][w:])
+                ]
+            if baseline is not None:
+                record["single_samples_per_s"] = baseline["samples_per_s"]
+                record["of_ideal_per_round"] = [
+                    round(share_of_ideal(s, t, P, M), 4)
+                    for s, t in zip(slowest[system][w:], slowest["single"][w:])
+                ]
+            results.append(record)
+        if baseline is not None:
+            single = {"system": "single", "schedule": None, "pipeline": 1, "microbatches": M, **baseline}
+            results.append(single | {"first_loss": first["single"], "paired_with": name})
         if rank == 0:
-            _log(
-                f"paired P={P} {name}: varuna {results[-3]['samples_per_s']:.2f}, torch.pipelining "
-                f"{results[-2]['samples_per_s']:.2f}, single {results[-1]['samples_per_s']:.2f} samples/s; "
-                f"median pair ratio {statistics.median(pairs):.3f}"
+            rates = ", ".join(
+                f"{k} {spec['global_batch_size'] / statistics.median(v[w:]):.2f}" for k, v in slowest.items()
             )
+            _log(f"P={P} {name}: {rates} samples/s")
     return results
 
 
 # ------------------------------------------------------------------------------------------ driver
-
-SYSTEMS = {
-    "single": run_single,
-    "varuna": run_varuna,
-    "torch.pipelining": run_torch_pipelining,
-    "paired": run_paired,
-}
 
 
 def main(argv: list[str]) -> None:
@@ -449,13 +375,10 @@ def main(argv: list[str]) -> None:
     # A hang becomes a traceback of every thread and exit 1 (then mpiexec ends the job), before
     # the parent's own timeout has to kill anything.
     faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
-    results = SYSTEMS[spec["system"]](spec)
-    rank = int(os.environ.get("RANK", "0"))
-    if spec["system"] != "single":
-        import torch.distributed as dist
+    results = run_rounds(spec)
+    import torch.distributed as dist
 
-        rank = dist.get_rank()
-    if rank == 0:
+    if dist.get_rank() == 0:
         out = Path(spec["out"])
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(results, indent=1))

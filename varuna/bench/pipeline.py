@@ -1,6 +1,6 @@
 """`varuna bench pipeline`: Varuna's schedules against torch.distributed.pipelining and one process.
 
-    python -m varuna.bench pipeline --json          # ~3 min on 2 cores; one JSON object on stdout
+    python -m varuna.bench pipeline --json          # ~4 min on 2 cores; one JSON object on stdout
     python -m varuna.bench pipeline --quick         # tiny model, a few steps: a smoke run
 
 Every system trains the same GPT (same seed, same initial weights) on the same global batches,
@@ -19,16 +19,16 @@ with AdamW and one torch thread per rank:
                        same, but after step 0 its weights drift from Varuna's.
 
 A step is timed from a barrier to the end of the optimizer step, on every rank; its time is the
-slowest rank's. samples/s = global batch / median timed step. Processes are reused: one job runs
-every Varuna schedule of one P, one job every torch.pipelining schedule of one P; rank 0 writes
-the job's results as JSON into a temporary folder that this module collects. At the smallest P
-(the comparison the targets are about) the two systems instead run in one job, alternating step
-by step at the same schedule (`paired`): this host's speed drifts by tens of percent over minutes,
-and each pair's ratio cancels that; `paired.varuna_over_torch_pipelining` gives the median pair
-ratio (torch step / Varuna step: above 1, Varuna is faster) with a 90% bootstrap interval. The
-one-process baseline runs in the same rounds (on rank 0, the other ranks waiting), so each
-pipeline's share of its ideal is measured against the host as it was at that time
-(`paired.of_bubble_ideal`); without a paired job, a separate one-process job gives the baseline.
+slowest rank's. samples/s = global batch / median timed step. Processes are reused: one job per P
+runs every system and schedule (one start-up per P); rank 0 writes the job's results as JSON into
+a temporary folder that this module collects. In a job the two systems alternate step by step at
+the same schedule: this host's speed drifts by tens of percent over minutes, and each pair's ratio
+cancels that; `paired.varuna_over_torch_pipelining` gives the median pair ratio (torch step /
+Varuna step: above 1, Varuna is faster) with a 90% bootstrap interval. At the smallest P (the
+comparison the targets are about) the one-process baseline runs in the same rounds (on rank 0,
+the other ranks waiting), so each pipeline's share of its ideal is measured against the host as
+it was at that time (`paired.of_bubble_ideal`). Varuna's own schedule, which torch.pipelining
+lacks, runs after the paired ones in the same job, unpaired.
 
 `ratios` compares like with like at each P: varuna / torch.pipelining for the same schedule, and
 each pipeline's samples/s over its bubble-limited ideal M / (M + P - 1) * P * single. A P larger
@@ -80,16 +80,16 @@ class PipelineBench:
     """Varuna schedules, each run at every P."""
     torch_schedules: tuple[str, ...] = TORCH_SCHEDULES
     """torch.distributed.pipelining schedules, each run at every P."""
-    warmup: int = 2
-    """Untimed steps before the timed ones (per configuration)."""
+    warmup: int = 1
+    """Untimed steps before the timed ones (per system and schedule; the first step is the slow one)."""
     steps: int = 4
-    """Timed steps per configuration; samples/s uses their median."""
+    """Timed steps per system and schedule at every P but the smallest; samples/s uses their median."""
     paired_steps: int = 10
-    """At the smallest P (the comparison the targets are about), timed steps of each system in the
-    paired job: Varuna and torch.pipelining in the same ranks, alternating step by step (see
-    `_pipeline_worker.run_paired`), so the host's drift cancels in each pair's ratio."""
-    job_timeout_s: float = 240.0
-    """A job (one system at one P, all its schedules) that runs longer fails, naming its config."""
+    """Timed steps per system and schedule at the smallest P (the comparison the targets are about),
+    where the one-process baseline joins the rounds; more steps there narrow the intervals of the
+    pair ratios and of the shares of the ideal."""
+    job_timeout_s: float = 420.0
+    """A job (every system and schedule at one P) that runs longer fails, naming its P."""
 
     def __post_init__(self) -> None:
         require_positive(self, "global_batch_size", "micro_batch_size", "steps", "paired_steps")
@@ -100,12 +100,19 @@ class PipelineBench:
                 f"PipelineBench.global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"micro_batch_size ({self.micro_batch_size})"
             )
+        if len(set(self.pipelines)) != len(self.pipelines):
+            raise ConfigError(f"PipelineBench.pipelines {self.pipelines} names a P twice; give each P once")
         n_layer = self.model.get("n_layer", 4)
         for P in self.pipelines:
             if not 2 <= P <= n_layer:
                 raise ConfigError(
                     f"PipelineBench.pipelines holds {P}; each P must be in [2, n_layer] = [2, {n_layer}]"
                 )
+        if not self.varuna_schedules:
+            raise ConfigError(
+                "PipelineBench.varuna_schedules is empty; name at least one of "
+                f"{VARUNA_SCHEDULES} (the bench measures Varuna; torch.pipelining is its reference)"
+            )
         for s in self.varuna_schedules:
             if s not in VARUNA_SCHEDULES:
                 raise ConfigError(f"varuna schedule {s!r} is not one of {VARUNA_SCHEDULES}")
@@ -135,10 +142,9 @@ def quick() -> PipelineBench:
         global_batch_size=8,
         micro_batch_size=2,
         pipelines=(3,),
-        warmup=1,
         steps=2,
         paired_steps=2,
-        job_timeout_s=120.0,
+        job_timeout_s=150.0,
     )
 
 
@@ -182,46 +188,36 @@ def _run_job(name: str, cmd: list[str], timeout_s: float, log: Path) -> None:
     _log(f"{name}: done in {time.perf_counter() - t0:.1f} s")
 
 
-def _limit(bench: PipelineBench, system: str) -> float:
-    """A job's time limit: the paired job runs three systems in turn, so it gets three times as long."""
-    return bench.job_timeout_s * (3 if system == "paired" else 1)
-
-
-def _job(
-    bench: PipelineBench, tmp: Path, system: str, pipeline: int, schedules: tuple[str, ...], **extra: Any
-) -> list[dict[str, Any]]:
-    name = (
-        system
-        if system == "single"
-        else f"{system} P={pipeline} M={bench.microbatches} ({', '.join(schedules)})"
-    )
-    tag = "single" if system == "single" else f"{system}-P{pipeline}"
+def _job(bench: PipelineBench, tmp: Path, pipeline: int, *, single: bool) -> list[dict[str, Any]]:
+    """Every system and schedule of `bench` at one P, in one `varuna run` job (`run_rounds`)."""
+    shared = [s for s in bench.varuna_schedules if s in bench.torch_schedules]
+    name = f"P={pipeline} M={bench.microbatches} ({', '.join(shared) or 'none'} paired"
+    name += f"{', with the one-process baseline' if single else ''})"
+    tag = f"P{pipeline}"
     out = tmp / f"{tag}.json"
     spec = {
-        "system": system,
         "model": bench.model,
         "global_batch_size": bench.global_batch_size,
         "micro_batch_size": bench.micro_batch_size,
         "pipeline": pipeline,
-        "schedules": list(schedules),
+        "varuna_schedules": list(bench.varuna_schedules),
+        "torch_schedules": list(bench.torch_schedules),
+        "single": single,
+        "partition": "balanced",
         "warmup": bench.warmup,
-        "steps": bench.steps,
+        "steps": bench.paired_steps if single else bench.steps,
         "out": str(out),
-        "run_dir": str(tmp / "varuna-run"),
-        "hang_s": _limit(bench, system),
-        **extra,
+        "run_dir": str(tmp / "varuna-run"),  # every job shares the segment profile
+        "hang_s": bench.job_timeout_s,
     }
     spec_path = tmp / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    worker = ["-m", _WORKER, str(spec_path)]
-    if system == "single":
-        cmd = [sys.executable, *worker]
-    else:
-        cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(pipeline), "--data", "1"]
-        cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{_limit(bench, system):g}", *worker]
+    cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(pipeline), "--data", "1"]
+    cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{bench.job_timeout_s:g}"]
+    cmd += ["-m", _WORKER, str(spec_path)]
     _log(f"{name}: starting")
     # The outer limit only backs up `varuna run --timeout` (and the worker's own hang dump).
-    _run_job(name, cmd, _limit(bench, system) + 30, tmp / f"{tag}.log")
+    _run_job(name, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
     if not out.exists():
         raise LaunchError(
             f"benchmark job {name} exited 0 but wrote no results ({out}); see {tmp / (tag + '.log')}"
@@ -359,23 +355,8 @@ def run(bench: PipelineBench) -> dict[str, Any]:
     params = count_parameters(GPT(GPTConfig(**bench.model)))
     results: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="varuna-bench-"))
-    for P in bench.pipelines:
-        mine = _job(bench, tmp, "varuna", P, bench.varuna_schedules)
-        bounds = mine[0]["boundaries"]  # both systems run at the boundaries Varuna chose
-        both = tuple(s for s in bench.varuna_schedules if s in bench.torch_schedules)
-        if P == min(bench.pipelines) and both:
-            paired = _job(
-                bench, tmp, "paired", P, both, partition=bounds, boundaries=bounds, steps=bench.paired_steps
-            )
-            results += [r for r in mine if r["schedule"] not in both] + paired
-        elif bench.torch_schedules:
-            results += mine + _job(
-                bench, tmp, "torch.pipelining", P, bench.torch_schedules, boundaries=bounds
-            )
-        else:
-            results += mine
-    if not any(r["system"] == "single" for r in results):  # no paired job measured it
-        results = _job(bench, tmp, "single", 1, ()) + results
+    for P in bench.pipelines:  # the baseline joins the rounds of the smallest P (the targets' one)
+        results += _job(bench, tmp, P, single=P == min(bench.pipelines))
     shutil.rmtree(tmp, ignore_errors=True)  # kept when a job fails: its log is named in the error
     host_cores = os.cpu_count() or 1
     losses = [r["first_loss"] for r in results]
