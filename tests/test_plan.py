@@ -91,7 +91,13 @@ def test_candidate_matches_a_hand_simulation() -> None:
     stage = StageCost(forward_s=4 * 3e-3, backward_s=4 * 6e-3, recompute_s=4 * 3e-3)
     net = table.network
     expected = simulate(
-        "gpipe", 2, 4, [stage, stage], comm=[net.p2p_time(0)], final_allreduce_s=net.allreduce_time(64, 2)
+        "gpipe",
+        2,
+        4,
+        [stage, stage],
+        comm=[net.p2p_time(0)],
+        final_allreduce_s=net.allreduce_time(64, 2),
+        split_backward=True,  # as the engine runs it by default
     )
     assert c.predicted_step_s == pytest.approx(expected.step_s)
     # 4 segments of 400 MiB static state + GPipe holds all 4 micro-batches of 4 x 20 MiB
@@ -316,7 +322,7 @@ def test_the_runtime_overhead_per_action_is_charged_to_pipelined_stages_only() -
 
     base = uniform_table(segments=2, boundary_bytes=0)
     overhead = dataclasses.replace(base, action_overhead_s=5e-4)
-    kw = {"micro_batch_size": 1, "global_batch_size": 4, "schedule": "gpipe"}
+    kw = {"micro_batch_size": 1, "global_batch_size": 4, "schedule": "gpipe", "split_backward": False}
     # GPipe P=2 M=4, uniform 2/4 ms stages, nothing else: 5 forward slots + 5 backward slots
     # (each with its 0.5 ms) and latency, against the same without
     plain = predict(base, pipeline=2, data=1, **kw)  # type: ignore[arg-type]

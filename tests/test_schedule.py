@@ -12,6 +12,7 @@ from varuna.schedule import (
     COMPUTE_KINDS,
     KINDS,
     SCHEDULES,
+    WEIGHT_KIND,
     Action,
     Schedule,
     add_allreduce,
@@ -22,6 +23,7 @@ from varuna.schedule import (
     format_grid,
     lower,
     make_schedule,
+    split_backwards,
     validate,
 )
 
@@ -74,8 +76,8 @@ def test_action_round_trips_every_kind(kind: str) -> None:
 
 
 def test_kinds() -> None:
-    assert KINDS == ("F", "B", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE")
-    assert COMPUTE_KINDS + COMM_KINDS == KINDS[:-1]
+    assert KINDS == ("F", "B", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "W")
+    assert COMPUTE_KINDS + COMM_KINDS + ("ALLREDUCE", WEIGHT_KIND) == KINDS
     assert SCHEDULES == ("gpipe", "1f1b", "varuna")
 
 
@@ -431,3 +433,36 @@ def test_bubble_fraction(name: str, p: int, m: int, expected: float) -> None:
 def test_bubble_fraction_rejects(args: tuple[str, int, int], match: str) -> None:
     with pytest.raises(ScheduleError, match=match):
         bubble_fraction(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("P", "M"), [(2, 1), (2, 4), (3, 5), (4, 8)])
+def test_split_backwards_gives_the_first_and_last_backward_a_weight_half(name: str, P: int, M: int) -> None:
+    lowered = lower(make_schedule(name, P, M))  # type: ignore[arg-type]
+    split = split_backwards(lowered)
+    validate(split, P, M)
+    assert split[0] == lowered[0]  # the first stage sends no input gradient
+    for s in range(1, P):
+        backwards = [a.microbatch for a in lowered[s] if a.kind == "B"]
+        weights = [a for a in split[s] if a.kind == WEIGHT_KIND]
+        assert [a.microbatch for a in weights] == sorted({backwards[0], backwards[-1]})
+        for w in weights:  # each right after its own SEND_B
+            assert split[s][split[s].index(w) - 1] == Action(s, "SEND_B", w.microbatch)
+        assert [a for a in split[s] if a.kind != WEIGHT_KIND] == lowered[s]
+    with pytest.raises(ScheduleError, match="split a schedule once"):
+        split_backwards(split)
+    with pytest.raises(ScheduleError, match="expects a lowered schedule"):
+        split_backwards(make_schedule(name, P, M))  # type: ignore[arg-type]
+
+
+def test_validate_rejects_a_misplaced_weight_half() -> None:
+    split = split_backwards(lower(make_schedule("1f1b", 2, 2)))
+    early = {0: split[0], 1: [Action(1, WEIGHT_KIND, 1), *split[1]]}  # before its SEND_B
+    with pytest.raises(ScheduleError, match=r"1W1: a weight half runs once, on a stage after the first"):
+        validate(early, 2, 2)
+    twice = {0: split[0], 1: [*split[1][:-1], Action(1, WEIGHT_KIND, 1), split[1][-1]]}
+    with pytest.raises(ScheduleError, match=r"1W1: a weight half runs once"):
+        validate(twice, 2, 2)
+    first = {0: [Action(0, WEIGHT_KIND, 0), *split[0]], 1: split[1]}
+    with pytest.raises(ScheduleError, match=r"0W0: a weight half runs once, on a stage after the first"):
+        validate(first, 2, 2)

@@ -199,3 +199,22 @@ def test_bad_input() -> None:
         simulate("gpipe", 2, 2, [U, U], message_s={"SEND_X": 1.0})
     with pytest.raises(ScheduleError, match=r"Sharing.replicas = 0; it must be at least 1"):
         simulate("gpipe", 2, 2, [U, U], sharing=Sharing(replicas=0, slowdown={2: 2.0}))
+
+
+def test_a_split_backward_takes_the_weight_half_off_the_drain() -> None:
+    # P=2, M=1, f=1, b=2, free comm. Plain: stage 1's B [2,4], then stage 0's B [4,6]: step 6.
+    # Split: stage 1's B is the input half only, [2,3]; stage 0's B runs [3,5] while stage 1's
+    # W runs [3,4]: step 5.
+    cost = StageCost(forward_s=1, backward_s=2, input_share=0.5, weight_share=0.5)
+    plain = simulate("1f1b", 2, 1, [cost, cost])
+    split = simulate("1f1b", 2, 1, [cost, cost], split_backward=True)
+    assert plain.step_s == 6 and split.step_s == 5
+    assert [(s.kind, s.start, s.end) for s in split.spans[1] if s.kind in ("B", "W")] == [
+        ("B", 2, 3),
+        ("W", 3, 4),
+    ]
+    assert [(s.kind, s.start, s.end) for s in split.spans[0] if s.kind == "B"] == [("B", 3, 5)]
+    assert split.busy_s == [3, 3] and split.peak_inflight == plain.peak_inflight == [1, 1]
+    # the shares may add up to more than 1 (the split's own cost): stage 1 is busy for all of it
+    dear = StageCost(forward_s=1, backward_s=2, input_share=0.6, weight_share=0.5)
+    assert simulate("1f1b", 2, 1, [dear, dear], split_backward=True).busy_s[1] == pytest.approx(1 + 2 * 1.1)

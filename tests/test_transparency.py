@@ -111,6 +111,8 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
     assert min(seen.values()) >= D
     for r in results:  # and a rank keeps no other stage's parameters in memory (they are meta)
         assert r["in_memory"] == sorted(r["params"])
+    for r in results:  # stages after the first split their first and last backward (the default)
+        assert r["split"] == (0 if r["stage"] == 0 else min(r["microbatches"], 2)), r["stage"]
 
 
 def _check_against(

@@ -167,6 +167,7 @@ def _measure(stages: int, microbatches: int, forward_s: float, backward_s: float
             partition=list(range(stages - 1)),
             example_batch=batch,
             run_dir=scratch,
+            split_backward=False,  # a spin's backward is all input gradient: nothing to split
         )
         try:
             engine.set_optimizer(torch.optim.SGD(engine.parameters(), lr=0.0))
@@ -216,6 +217,7 @@ def fit_action_overhead(table: CostTable, *, steps: int = 8, warmup: int = 2) ->
             schedule="1f1b",
             global_batch_size=microbatches,
             boundaries=list(range(world - 1)),
+            split_backward=False,
         )
         return candidate.predicted_step_s
 

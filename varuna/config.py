@@ -36,6 +36,10 @@ class VarunaConfig:
     """'balanced' by measured time per segment, 'uniform' by parameter count, or P-1 CutPoint indices."""
     recompute: bool | None = None
     """Recompute forward just before backward on non-last stages; default: only for 'varuna'."""
+    split_backward: bool = True
+    """On stages after the first, compute the input gradient of the step's first and last backward
+    before their weight gradients, and send it at once: the previous stage waits for it, nobody
+    for the weights (see varuna.schedule.split_backwards). False: one plain backward() each."""
     clip_grad_norm: float | None = None
     """Clip gradients by their global norm over all stages (None: no clipping)."""
     run_dir: Path | None = None

@@ -41,7 +41,7 @@ from varuna.morph import MORPH_EXIT, StopRequest
 from varuna.partition import cut_names
 from varuna.precision import LossScaler, autocast_policy
 from varuna.runtime import StageRuntime, StepTimes
-from varuna.schedule import Action, lower, make_schedule, validate
+from varuna.schedule import Action, lower, make_schedule, split_backwards, validate
 from varuna.telemetry import Telemetry  # telemetry
 
 __all__ = ["Varuna"]
@@ -187,6 +187,8 @@ class Varuna:
 
         compute = make_schedule(cfg.schedule, P, cfg.num_microbatches, recompute=cfg.recompute)  # type: ignore[arg-type]
         lowered = lower(compute)
+        if cfg.split_backward:
+            lowered = split_backwards(lowered)
         validate(lowered, P, cfg.num_microbatches)
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]

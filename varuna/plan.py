@@ -33,7 +33,7 @@ from varuna._memory import _memory, format_bytes, parse_memory
 from varuna.costs import CostTable
 from varuna.errors import ConfigError
 from varuna.partition import balance
-from varuna.schedule import SCHEDULES, ScheduleName, lower, make_schedule
+from varuna.schedule import SCHEDULES, ScheduleName, lower, make_schedule, split_backwards
 from varuna.simulate import Sharing, StageCost, Timeline, simulate
 
 __all__ = [
@@ -356,10 +356,12 @@ def predict(
     global_batch_size: int,
     recompute: bool = False,
     boundaries: Sequence[int] | None = None,
+    split_backward: bool = True,
 ) -> Candidate:
     """The prediction for one configuration, e.g. the one a job runs (to draw its predicted timeline
     over the measured one). `boundaries` are its P-1 stage boundaries (CutPoint indices, as
-    `engine.partition.boundaries`); None balances them as `plan` does. No memory limit applies.
+    `engine.partition.boundaries`); None balances them as `plan` does; `split_backward` as the
+    engine's option of that name. No memory limit applies.
 
     Raises PlanError for a shape the table or the batch cannot have.
     """
@@ -390,14 +392,14 @@ def predict(
             )
     return _evaluate(
         table, pipeline, data, micro_batch_size, schedule, recompute and pipeline > 1, global_batch_size,
-        boundaries,
+        boundaries, split_backward,
     )  # fmt: skip
 
 
 def _runs_as(schedule: ScheduleName, pipeline: int, microbatches: int, recompute: bool) -> tuple[Any, ...]:
     """What the runtime does for `schedule` at a shape: its lowered action lists, and whether it
     pulls forwards ahead (Varuna's, with a stage to wait for)."""
-    lowered = lower(make_schedule(schedule, pipeline, microbatches, recompute=recompute))
+    lowered = split_backwards(lower(make_schedule(schedule, pipeline, microbatches, recompute=recompute)))
     return (tuple(tuple(lowered[s]) for s in sorted(lowered)), schedule == "varuna" and pipeline > 1)
 
 
@@ -410,6 +412,7 @@ def _evaluate(
     recompute: bool,
     global_batch_size: int,
     boundaries: tuple[int, ...] | None = None,
+    split_backward: bool = True,
 ) -> Candidate:
     segs = table.segments
     num_microbatches = global_batch_size // (data * mbs)
@@ -456,6 +459,7 @@ def _evaluate(
         message_s=net.message_s,
         sees_arrivals=net.reports_arrival,
         recompute=recompute,
+        split_backward=split_backward,
     )
     return Candidate(
         pipeline=pipeline,

@@ -12,6 +12,10 @@
 With `opportunistic=True` (Varuna's schedule) the loop pulls the next forward ahead whenever it
 is about to wait for a gradient that has not arrived and that forward's input is already here,
 so a stage fills its own bubble instead of idling.
+
+    W m       the weight gradients of m's backward, when the list splits it
+              (`varuna.schedule.split_backwards`): B m then computes only the input gradient
+              (`varuna._backward`), which SEND_B sends before the weights are done
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from varuna._backward import WeightGrads, input_grads_first
 from varuna.comm import P2P, flatten_value
 from varuna.cutpoint import SKIPPED, CutPoint, _handling, is_skipped
 from varuna.errors import PartitionError
-from varuna.schedule import Action, Span
+from varuna.schedule import WEIGHT_KIND, Action, Span
 
 __all__ = ["StageRuntime", "StepTimes", "Span"]
 
@@ -42,6 +47,8 @@ class StepTimes:
     idle_s: float = 0.0
     total_s: float = 0.0
     spans: list[Span] = field(default_factory=list)
+    split: int = 0
+    """Backwards that ran as an input half (B) and a weight half (W) (see `split_backwards`)."""
 
 
 class _StageCuts:
@@ -136,6 +143,10 @@ class StageRuntime:
         self.grads: dict[int, list[torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
         self.times = StepTimes()
+        self.weights: dict[int, WeightGrads] = {}
+        self._split = {a.microbatch for a in actions if a.kind == WEIGHT_KIND}
+        if self._split:
+            self._params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]
         idle0, comm0 = self.p2p.idle_s, self.p2p.comm_s
         start = time.perf_counter()
         if not self.first:
@@ -182,7 +193,7 @@ class StageRuntime:
                 exc._varuna_noted = True  # type: ignore[attr-defined]
             raise
         t1 = time.perf_counter()
-        if action.kind in ("F", "B", "R"):
+        if action.kind in ("F", "B", "R", WEIGHT_KIND):
             self.times.compute_s += t1 - t0
         self.times.spans.append(Span(action.kind, action.microbatch, t0, t1))
 
@@ -221,17 +232,44 @@ class StageRuntime:
     def _do_B(self, m: int) -> None:
         out = self.outputs.pop(m)
         if self.last:
-            (out * self.loss_coef).backward()
+            pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(out * self.loss_coef, None)]
+        else:
+            tensors, _ = flatten_value(out)
+            floating = [t for t in tensors if t.is_floating_point()]
+            grads = self.grads.pop(m)
+            pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
+        if not pairs:
             return
-        tensors, _ = flatten_value(out)
-        floating = [t for t in tensors if t.is_floating_point()]
-        grads = self.grads.pop(m)
-        pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if m in self._split and self._split_backward(m, pairs):
+            return
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def _split_backward(self, m: int, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
+        """Only the input gradients of `m` now, its weight gradients kept for `_weight_grads`;
+        False (nothing computed) where the graph does not split (see `input_grads_first`)."""
+        inputs = self.inputs.get(m)
+        if inputs is None:
+            return False
+        tensors = [t for t in flatten_value(inputs)[0] if t.is_floating_point() and t.requires_grad]
+        if not tensors:
+            return False
+        split = input_grads_first([t for t, _ in pairs], [g for _, g in pairs], tensors, self._params)
+        if split is None:
+            return False
+        found, self.weights[m] = split
+        self.times.split += 1
+        for t, g in zip(tensors, found):
+            if g is not None:
+                t.grad = g
+        return True
 
     def _do_SEND_B(self, m: int) -> None:
         self.p2p.send_grad(m, self.inputs.pop(m))
+
+    def _do_W(self, m: int) -> None:
+        weights = self.weights.pop(m, None)
+        if weights is not None:  # None: B(m) could not split and did the whole backward
+            weights.run()
 
     def _do_ALLREDUCE(self, m: int | None) -> None:
         self.allreduce()

@@ -29,6 +29,8 @@ __all__ = [
     "Action",
     "Span",
     "COMPUTE_KINDS",
+    "WEIGHT_KIND",
+    "WORK_KINDS",
     "COMM_KINDS",
     "KINDS",
     "SCHEDULES",
@@ -38,6 +40,7 @@ __all__ = [
     "add_recompute",
     "add_communication",
     "add_allreduce",
+    "split_backwards",
     "lower",
     "compute_actions",
     "validate",
@@ -47,7 +50,11 @@ __all__ = [
 
 COMPUTE_KINDS = ("F", "B", "R")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-KINDS = COMPUTE_KINDS + COMM_KINDS + ("ALLREDUCE",)
+WEIGHT_KIND = "W"
+"""A split backward's weight half (see `split_backwards`); B(m) is then only the input gradient."""
+WORK_KINDS = COMPUTE_KINDS + (WEIGHT_KIND,)
+"""The kinds that keep a stage's processor busy."""
+KINDS = COMPUTE_KINDS + COMM_KINDS + ("ALLREDUCE", WEIGHT_KIND)
 SCHEDULES = ("gpipe", "1f1b", "varuna")
 ScheduleName = Literal["gpipe", "1f1b", "varuna"]
 
@@ -207,6 +214,37 @@ def add_allreduce(schedule: Schedule) -> Schedule:
     return {s: [*actions, Action(s, "ALLREDUCE", None)] for s, actions in schedule.items()}
 
 
+def split_backwards(schedule: Schedule) -> Schedule:
+    """Give the first and the last backward of each stage after the first a separate weight half
+    `W m`, right after its SEND_B: B(m) then computes only the gradient of the stage's input,
+    SEND_B(m) sends it, and W(m) computes the weight gradients. A lowered schedule in, a new one out.
+
+    The previous stage waits for that input gradient at both ends of the step: in GPipe it starts
+    its backwards on the first one, and in every schedule the drain is a chain in which each stage
+    waits for the next one's last. The weight half waits for nobody, so it leaves the critical path
+    there. Only these two are split: the split costs a little (a second pass over part of the
+    graph), and a W right after its SEND_B holds no activation longer than the plain backward.
+
+        >>> [str(a) for a in split_backwards(lower(make_schedule("1f1b", 2, 3)))[1]]
+        ['1RECV_F0', '1F0', '1B0', '1SEND_B0', '1W0', '1RECV_F1', '1F1', '1B1', '1SEND_B1', '1RECV_F2', '1F2', '1B2', '1SEND_B2', '1W2', '1ALLREDUCE']
+    """
+    result: Schedule = {}
+    for s, actions in schedule.items():
+        if any(a.kind == WEIGHT_KIND for a in actions):
+            raise ScheduleError(f"split_backwards: stage {s} already has W actions; split a schedule once")
+        backwards = [a.microbatch for a in actions if a.kind == "B"]
+        if s > 0 and backwards and not any(a.kind == "SEND_B" for a in actions):
+            raise ScheduleError("split_backwards expects a lowered schedule (pass it through lower first)")
+        ends = {backwards[0], backwards[-1]} if s > 0 and backwards else set()
+        out: list[Action] = []
+        for a in actions:
+            out.append(a)
+            if a.kind == "SEND_B" and a.microbatch in ends:
+                out.append(Action(s, WEIGHT_KIND, a.microbatch))
+        result[s] = out
+    return result
+
+
 def lower(schedule: Schedule) -> Schedule:
     """Return the schedule the runtime executes: `add_allreduce(add_communication(schedule))`."""
     return add_allreduce(add_communication(schedule))
@@ -288,6 +326,16 @@ def _check_stage(schedule: Schedule, s: int, actions: list[Action], num_microbat
             raise _fail(
                 schedule, (s, i), f"{a} has micro-batch {a.microbatch}, expected 0..{num_microbatches - 1}"
             )
+        if a.kind == WEIGHT_KIND:
+            sent = Action(s, "SEND_B", a.microbatch)
+            if s == 0 or sent not in actions[:i] or a in actions[:i]:
+                raise _fail(
+                    schedule,
+                    (s, i),
+                    f"{a}: a weight half runs once, on a stage after the first, after its {sent} "
+                    "(see split_backwards)",
+                )
+            continue
         if a.kind in seen:
             first = next((j for m, j in seen[a.kind] if m == a.microbatch), None)
             if first is not None:
@@ -324,6 +372,7 @@ def _check_communication(schedule: Schedule) -> None:
     expected = add_communication({s: compute_actions(actions) for s, actions in schedule.items()})
     for s, actions in schedule.items():
         want = expected[s] + [a for a in actions if a.kind == "ALLREDUCE"]
+        actions = [a for a in actions if a.kind != WEIGHT_KIND]
         for i, (got, exp) in enumerate(zip(actions, want, strict=False)):
             if got != exp:
                 raise _fail(

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from varuna.costs import CostTable
-from varuna.schedule import COMPUTE_KINDS, Span
-
-if TYPE_CHECKING:
-    from varuna.simulate import StageCost
+from varuna.schedule import WORK_KINDS, Span
 
 __all__ = ["Sharing"]
 
@@ -88,7 +84,7 @@ class _Computing:
 
     def __init__(self, spans: list[list[Span]]) -> None:
         self.stages = [
-            ([sp.start for sp in stage if sp.kind in COMPUTE_KINDS], [sp.end for sp in stage if sp.kind in COMPUTE_KINDS])
+            ([sp.start for sp in stage if sp.kind in WORK_KINDS], [sp.end for sp in stage if sp.kind in WORK_KINDS])
             for stage in spans
         ]  # fmt: skip
 
@@ -141,10 +137,11 @@ def _messages_busy(spans: list[list[Span]], busy: _Computing, sharing: Sharing) 
 
 
 def _stretch_all(
-    spans: list[list[Span]], costs: Sequence[StageCost], sharing: Sharing
+    spans: list[list[Span]], work: Callable[[int, str, int], float], sharing: Sharing
 ) -> dict[tuple[int, str, int], float]:
     """Each compute action's duration under processor sharing, against the overlaps in `spans`
-    (the other stages' compute and the messages' CPU work)."""
+    (the other stages' compute and the messages' CPU work); `work(stage, kind, microbatch)` is
+    its lone-compute seconds."""
     busy = _Computing(spans)
     messages = _messages_busy(spans, busy, sharing)
     out = {}
@@ -158,9 +155,9 @@ def _stretch_all(
             )
         )
         for sp in stage:
-            if sp.kind in COMPUTE_KINDS:
-                work = costs[s].seconds(sp.kind)
-                out[(s, sp.kind, sp.microbatch or 0)] = _finish(sp.start, work, edges, sharing)
+            if sp.kind in WORK_KINDS:
+                m = sp.microbatch or 0
+                out[(s, sp.kind, m)] = _finish(sp.start, work(s, sp.kind, m), edges, sharing)
     return out
 
 

@@ -5,6 +5,8 @@ One source of truth for schedules: `simulate` times exactly `lower(make_schedule
 and each stage's gradient all-reduce. Rules, as in the runtime:
 
     F, B, R      take the stage's forward / backward / recompute seconds
+    W            a split backward's weight half (`split_backwards`): W(m) takes the stage's
+                 `weight_share` of its backward seconds and B(m) then only `input_share`
     SEND_F/B     cost the sender `message_s[kind]` (the runtime's encoding and posting, default 0);
                  the value arrives after the boundary's transfer time plus `message_s["DELAY_F"]`
                  (or DELAY_B; default 0) (a link carries one transfer per direction at a time, so
@@ -39,7 +41,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from varuna.errors import ScheduleError
-from varuna.schedule import COMPUTE_KINDS, Action, Schedule, ScheduleName, Span, lower, make_schedule
+from varuna.schedule import (
+    WEIGHT_KIND,
+    WORK_KINDS,
+    Action,
+    Schedule,
+    ScheduleName,
+    Span,
+    lower,
+    make_schedule,
+    split_backwards,
+)
 from varuna.sharing import Sharing, _Delays, _shared_updates, _stretch_all
 
 __all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_lowered"]
@@ -59,13 +71,22 @@ class StageCost:
     """Backward pass."""
     recompute_s: float | None = None
     """Recomputed forward before the backward; None means `forward_s`."""
+    input_share: float = 0.6
+    """A split backward's input half (B before its W), as a share of `backward_s`."""
+    weight_share: float = 0.47
+    """A split backward's weight half (W), as a share of `backward_s`. The two shares add up to a
+    little more than 1: splitting costs a second pass over part of the graph. Both measured on
+    the bench GPT's stages on CPU (input 0.59-0.60, weight 0.45-0.48)."""
 
-    def seconds(self, kind: str) -> float:
-        """The cost of a compute action of `kind` ("F", "B" or "R")."""
+    def seconds(self, kind: str, *, split: bool = False) -> float:
+        """The cost of a compute action of `kind` ("F", "B", "R" or "W"); `split`: a B whose
+        weight half runs later as W."""
         if kind == "F":
             return self.forward_s
         if kind == "B":
-            return self.backward_s
+            return self.backward_s * (self.input_share if split else 1.0)
+        if kind == WEIGHT_KIND:
+            return self.backward_s * self.weight_share
         return self.forward_s if self.recompute_s is None else self.recompute_s
 
 
@@ -90,7 +111,8 @@ class Timeline:
     bubble_fraction: float
     """1 - total compute / (P x step_s)."""
     peak_inflight: list[int] = field(default_factory=list)
-    """Per stage, the most micro-batches forwarded and not yet backwarded at once."""
+    """Per stage, the most micro-batches forwarded and not yet backwarded (for a split backward:
+    not yet through its W) at once."""
     update_s: list[float] = field(default_factory=list)
     """Per stage, seconds of its parameter update after the final all-reduce (with shared cores)."""
 
@@ -120,7 +142,7 @@ class Timeline:
             }
             for s, spans in enumerate(self.spans)
             for sp in spans
-            if include_comm or sp.kind in COMPUTE_KINDS or sp.kind == "ALLREDUCE"
+            if include_comm or sp.kind in WORK_KINDS or sp.kind == "ALLREDUCE"
         ]
 
 
@@ -148,6 +170,7 @@ def simulate(
     sees_arrivals: bool = True,
     recompute: bool | None = None,
     opportunistic: bool | None = None,
+    split_backward: bool = False,
 ) -> Timeline:
     """Time one step of `schedule_name` on P stages with M micro-batches.
 
@@ -158,13 +181,16 @@ def simulate(
     the module docstring); `message_s` maps SEND_F, RECV_F, SEND_B, RECV_B to the seconds the
     runtime spends per message on top of the transfer (`NetworkCost.message_s`);
     `sees_arrivals` is `NetworkCost.reports_arrival` (see the module docstring). `recompute` goes
-    to `make_schedule` (None: True for "varuna"); `opportunistic=None` means True for "varuna" only.
+    to `make_schedule` (None: True for "varuna"); `opportunistic=None` means True for "varuna" only;
+    `split_backward` times the lists `split_backwards` makes (as the engine runs by default).
 
         >>> t = simulate("gpipe", 2, 2, [StageCost(forward_s=1, backward_s=2)] * 2)
         >>> t.step_s, t.bubble_fraction
         (9.0, 0.33333333333333337)
     """
     schedule = lower(make_schedule(schedule_name, num_stages, num_microbatches, recompute=recompute))
+    if split_backward:
+        schedule = split_backwards(schedule)
     return simulate_lowered(
         schedule,
         stage_costs,
@@ -243,7 +269,7 @@ def simulate_lowered(
         if not shared:
             break
         assert sharing is not None
-        stretched = _stretch_all(sim.spans, stage_costs, sharing)
+        stretched = _stretch_all(sim.spans, sim.work, sharing)
         last, change = (
             change,
             max(
@@ -261,7 +287,7 @@ def simulate_lowered(
     update_end = _shared_updates(updates, sharing) if shared and sharing is not None else updates
     ends = [spans[-1].end if spans else 0.0 for spans in sim.spans]
     step = max(ends, default=0.0) + final_allreduce_s + max(update_end, default=0.0)
-    busy = [sum(sp.end - sp.start for sp in spans if sp.kind in COMPUTE_KINDS) for spans in sim.spans]
+    busy = [sum(sp.end - sp.start for sp in spans if sp.kind in WORK_KINDS) for spans in sim.spans]
     reduce = [sum(sp.end - sp.start for sp in spans if sp.kind == "ALLREDUCE") for spans in sim.spans]
     if num_microbatches is None:
         num_microbatches = sum(1 for a in schedule[0] if a.kind == "F")
@@ -280,9 +306,11 @@ def simulate_lowered(
 
 
 def _peak_inflight(spans: list[Span]) -> int:
+    split = {sp.microbatch for sp in spans if sp.kind == WEIGHT_KIND}
     held = peak = 0
     for sp in spans:
-        held += (sp.kind == "F") - (sp.kind == "B")
+        freed = sp.kind == WEIGHT_KIND or (sp.kind == "B" and sp.microbatch not in split)
+        held += (sp.kind == "F") - freed
         peak = max(peak, held)
     return peak
 
@@ -323,6 +351,13 @@ class _Simulation:
         self.arrival: dict[tuple[str, int, int], float] = {}  # (kind, receiving stage, mb) -> time
         self.link_free: dict[tuple[str, int], float] = {}
         self.committed: set[int] = set()  # stages decided to wait in their head RECV_B
+        self.split = {
+            (s, a.microbatch) for s, actions in schedule.items() for a in actions if a.kind == WEIGHT_KIND
+        }
+
+    def work(self, s: int, kind: str, m: int) -> float:
+        """Lone-compute seconds of stage s's action `kind` on micro-batch m."""
+        return self.costs[s].seconds(kind, split=kind == "B" and (s, m) in self.split)
 
     def run(self) -> None:
         while True:
@@ -397,8 +432,8 @@ class _Simulation:
         t = self.clock[s]
         m = a.microbatch or 0
         end = t
-        if a.kind in COMPUTE_KINDS:
-            end = t + self.durations.get((s, a.kind, m), self.costs[s].seconds(a.kind))
+        if a.kind in WORK_KINDS:
+            end = t + self.durations.get((s, a.kind, m), self.work(s, a.kind, m))
         elif a.kind == "ALLREDUCE":
             end = t + self.allreduce[s]
         elif a.kind in ("RECV_F", "RECV_B"):

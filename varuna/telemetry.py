@@ -382,9 +382,10 @@ class Telemetry:
 
     def _activation_peak(self, times: StepTimes) -> int:
         """Peak bytes saved for backward during the step: F/R of micro-batch m adds what autograd
-        packed during that span, B of m frees it."""
+        packed during that span, B of m frees it (W of m, where its backward was split)."""
         packs, i, held, peak = self._packs, 0, 0, 0
         live: dict[int, int] = {}
+        split = {s.microbatch for s in times.spans if s.kind == "W"}  # freed by their W, not their B
         for s in times.spans:
             if s.kind in ("F", "R"):
                 size = 0
@@ -395,7 +396,7 @@ class Telemetry:
                 live[s.microbatch or 0] = live.get(s.microbatch or 0, 0) + size
                 held += size
                 peak = max(peak, held)
-            elif s.kind == "B":
+            elif s.kind == "W" or (s.kind == "B" and s.microbatch not in split):
                 held -= live.pop(s.microbatch or 0, 0)
         return peak
 

@@ -63,6 +63,9 @@ for P, D, partition in CONFIGS[world]:
                     "params": params,
                     "boundaries": engine.partition.boundaries,
                     "in_memory": in_memory,
+                    "stage": engine.stage,
+                    "split": engine.last_times.split if engine.last_times is not None else 0,
+                    "microbatches": engine.config.num_microbatches,
                 },
                 tag / f"rank{engine.rank}.pt",
             )

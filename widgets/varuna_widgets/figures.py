@@ -32,11 +32,12 @@ __all__ = [
     "theoretical_bubble",
 ]
 
-SPAN_KINDS = ("F", "B", "R", "send", "recv", "allreduce", "optim")
+SPAN_KINDS = ("F", "B", "W", "R", "send", "recv", "allreduce", "optim")
 """Measured span kinds, in legend order."""
 COLORS = {
     "F": "#4C78A8",
     "B": "#F58518",
+    "W": "#FFBF79",
     "R": "#B279A2",
     "send": "#54A24B",
     "recv": "#9D9D9D",
@@ -46,6 +47,7 @@ COLORS = {
 _NAMES = {
     "F": "forward",
     "B": "backward",
+    "W": "weight gradients",
     "R": "recompute",
     "send": "send",
     "recv": "recv (wait)",
@@ -53,7 +55,7 @@ _NAMES = {
     "optim": "optimizer",
 }
 _WIDTH = {"send": 0.22, "recv": 0.22}
-_PREDICTED = {"F": "F", "B": "B", "R": "R", "ALLREDUCE": "allreduce"}
+_PREDICTED = {"F": "F", "B": "B", "W": "W", "R": "R", "ALLREDUCE": "allreduce"}
 _MIB = 1024 * 1024
 
 
@@ -111,7 +113,7 @@ def predicted_traces(
     """The planner's prediction (`varuna.simulate.Timeline.to_events()`) as outlined bars on the
     measured rows of `replica`, shifted by `offset_ms` (align it with a measured step's start)."""
     out: dict[str, dict[str, list[Any]]] = {
-        k: {"x": [], "base": [], "y": []} for k in ("F", "B", "R", "allreduce")
+        k: {"x": [], "base": [], "y": []} for k in ("F", "B", "W", "R", "allreduce")
     }
     for e in events:
         kind = _PREDICTED.get(str(e["kind"]))
