@@ -7,15 +7,14 @@
     RECV_B m  wait for the gradient of our output
     B m       backward
     SEND_B m  send the gradient of our input back
+    W m       the weight gradients of m's backward, where the list splits it
+              (`varuna.schedule.split_backwards`): B m then computed only the input gradient
+              (`varuna._backward`), so SEND_B sent it before the weights were done
     ALLREDUCE start the data-parallel and tied-weight gradient reductions
 
 With `opportunistic=True` (Varuna's schedule) the loop pulls the next forward ahead whenever it
 is about to wait for a gradient that has not arrived and that forward's input is already here,
 so a stage fills its own bubble instead of idling.
-
-    W m       the weight gradients of m's backward, when the list splits it
-              (`varuna.schedule.split_backwards`): B m then computes only the input gradient
-              (`varuna._backward`), which SEND_B sends before the weights are done
 """
 
 from __future__ import annotations
@@ -245,7 +244,7 @@ class StageRuntime:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
     def _split_backward(self, m: int, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
-        """Only the input gradients of `m` now, its weight gradients kept for `_weight_grads`;
+        """Only the input gradients of `m` now, its weight gradients kept for `_do_W`;
         False (nothing computed) where the graph does not split (see `input_grads_first`)."""
         inputs = self.inputs.get(m)
         if inputs is None:
