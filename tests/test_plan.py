@@ -100,8 +100,10 @@ def test_candidate_matches_a_hand_simulation() -> None:
         split_backward=True,  # as the engine runs it by default
     )
     assert c.predicted_step_s == pytest.approx(expected.step_s)
-    # 4 segments of 400 MiB static state + GPipe holds all 4 micro-batches of 4 x 20 MiB
-    assert c.memory_per_stage_bytes == [4 * 400 * 2**20 + 4 * 4 * 20 * 2**20] * 2
+    # 4 segments of 400 MiB static state + GPipe holds all 4 micro-batches of 4 x 20 MiB, and the
+    # second stage's split backward one more
+    static, micro = 4 * 400 * 2**20, 4 * 20 * 2**20
+    assert c.memory_per_stage_bytes == [static + 4 * micro, static + 5 * micro]
 
 
 def test_memory_per_stage_follows_the_schedule() -> None:
@@ -117,10 +119,11 @@ def test_memory_per_stage_follows_the_schedule() -> None:
         ]
         return c.memory_per_stage_bytes
 
-    assert mem("gpipe", False) == [8 * 2**20] * 4  # M = 8 micro-batches of 1 MiB each
-    assert mem("1f1b", False) == [4 * 2**20, 3 * 2**20, 2 * 2**20, 1 * 2**20]  # min(P - s, M)
+    # M = 8 micro-batches of 1 MiB each; stages after the first split a backward: one more
+    assert mem("gpipe", False) == [8 * 2**20] + [9 * 2**20] * 3
+    assert mem("1f1b", False) == [4 * 2**20, 4 * 2**20, 3 * 2**20, 2 * 2**20]  # min(P - s, M) (+ 1)
     # recompute keeps only the stage inputs (1 KiB each) plus one micro-batch; the last stage keeps all
-    assert mem("1f1b", True) == [2**20, 3 * 2**10 + 2**20, 2 * 2**10 + 2**20, 2**20]
+    assert mem("1f1b", True) == [2**20, 3 * 2**10 + 2 * 2**20, 2 * 2**10 + 2 * 2**20, 2 * 2**20]
 
 
 def test_memory_limit_forces_recompute_and_deeper_pipelines() -> None:
@@ -336,3 +339,14 @@ def test_the_runtime_overhead_per_action_is_charged_to_pipelined_stages_only() -
         predict(base, pipeline=2, data=1, **{**kw, "schedule": "varuna"}, recompute=True).timeline.busy_s[0]  # type: ignore[arg-type]
         + 12 * 5e-4  # stage 0: 4 F, 4 R, 4 B
     )
+
+
+def test_a_split_backward_costs_one_micro_batch_of_memory_on_later_stages_only() -> None:
+    table = uniform_table(segments=4, param_bytes=0, activation_memory=2**20, boundary_bytes=2**10)
+    kw = {"pipeline": 2, "data": 1, "micro_batch_size": 1, "schedule": "1f1b", "global_batch_size": 4}
+    split = predict(table, **kw).memory_per_stage_bytes  # type: ignore[arg-type]
+    plain = predict(table, split_backward=False, **kw).memory_per_stage_bytes  # type: ignore[arg-type]
+    full = 2 * 2**20  # stage 1's two segments of 1 MiB each
+    assert split[0] == plain[0] and split[1] == plain[1] + full
+    assert any(s.kind == "W" for s in predict(table, **kw).timeline.spans[1])  # type: ignore[arg-type]
+    assert not any(s.kind == "W" for s in predict(table, split_backward=False, **kw).timeline.spans[1])  # type: ignore[arg-type]

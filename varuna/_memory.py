@@ -58,8 +58,17 @@ def format_bytes(n: float) -> str:
 
 
 def _memory(
-    table: CostTable, stages: list[range], mbs: int, recompute: bool, inflight: list[int]
+    table: CostTable,
+    stages: list[range],
+    mbs: int,
+    recompute: bool,
+    inflight: list[int],
+    split_backward: bool = False,
 ) -> list[int]:
+    """Bytes per stage: weights, gradients, optimizer state and the activations the schedule holds
+    at its peak (`inflight` micro-batches). A split backward (`split_backwards`, stages after the
+    first) also keeps, from its input half to its weight half, the gradient at each node next to a
+    weight: counted as one more micro-batch of that stage's activations (less in practice)."""
     segs = table.segments
     total_params = sum(s.param_bytes for s in segs)
     state_per_param = sum(s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in segs) / max(
@@ -76,5 +85,7 @@ def _memory(
             activations = inflight[s] * held_input + full
         else:
             activations = inflight[s] * full
+        if split_backward and s > 0:
+            activations += full
         out.append(static + activations)
     return out

@@ -472,6 +472,8 @@ def _evaluate(
         predicted_step_s=timeline.step_s,
         samples_per_s=global_batch_size / timeline.step_s if timeline.step_s > 0 else float("inf"),
         bubble_fraction=timeline.bubble_fraction,
-        memory_per_stage_bytes=_memory(table, stages, mbs, recompute, timeline.peak_inflight),
+        memory_per_stage_bytes=_memory(
+            table, stages, mbs, recompute, timeline.peak_inflight, split_backward and pipeline > 1
+        ),
         timeline=timeline,
     )
