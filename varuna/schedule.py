@@ -41,6 +41,7 @@ __all__ = [
     "add_communication",
     "add_allreduce",
     "split_backwards",
+    "releasing",
     "lower",
     "compute_actions",
     "validate",
@@ -243,6 +244,14 @@ def split_backwards(schedule: Schedule) -> Schedule:
                 out.append(Action(s, WEIGHT_KIND, a.microbatch))
         result[s] = out
     return result
+
+
+def releasing(spans: Iterable[Span]) -> set[tuple[str, int | None]]:
+    """(kind, micro-batch) of the spans of one stage after which a micro-batch's saved activations
+    are gone: its B, or its W where `split_backwards` split that backward."""
+    spans = list(spans)
+    split = {sp.microbatch for sp in spans if sp.kind == WEIGHT_KIND}
+    return {(WEIGHT_KIND if sp.microbatch in split else "B", sp.microbatch) for sp in spans if sp.kind == "B"}
 
 
 def lower(schedule: Schedule) -> Schedule:

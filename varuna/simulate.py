@@ -50,6 +50,7 @@ from varuna.schedule import (
     Span,
     lower,
     make_schedule,
+    releasing,
     split_backwards,
 )
 from varuna.sharing import Sharing, _Delays, _shared_updates, _stretch_all
@@ -306,11 +307,10 @@ def simulate_lowered(
 
 
 def _peak_inflight(spans: list[Span]) -> int:
-    split = {sp.microbatch for sp in spans if sp.kind == WEIGHT_KIND}
+    frees = releasing(spans)
     held = peak = 0
     for sp in spans:
-        freed = sp.kind == WEIGHT_KIND or (sp.kind == "B" and sp.microbatch not in split)
-        held += (sp.kind == "F") - freed
+        held += (sp.kind == "F") - ((sp.kind, sp.microbatch) in frees)
         peak = max(peak, held)
     return peak
 

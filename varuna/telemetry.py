@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from varuna._events import EventLog, decode, encode
+from varuna.schedule import releasing
 
 if TYPE_CHECKING:
     from varuna.engine import Varuna
@@ -385,7 +386,7 @@ class Telemetry:
         packed during that span, B of m frees it (W of m, where its backward was split)."""
         packs, i, held, peak = self._packs, 0, 0, 0
         live: dict[int, int] = {}
-        split = {s.microbatch for s in times.spans if s.kind == "W"}  # freed by their W, not their B
+        frees = releasing(times.spans)
         for s in times.spans:
             if s.kind in ("F", "R"):
                 size = 0
@@ -396,7 +397,7 @@ class Telemetry:
                 live[s.microbatch or 0] = live.get(s.microbatch or 0, 0) + size
                 held += size
                 peak = max(peak, held)
-            elif s.kind == "W" or (s.kind == "B" and s.microbatch not in split):
+            elif (s.kind, s.microbatch) in frees:
                 held -= live.pop(s.microbatch or 0, 0)
         return peak
 
