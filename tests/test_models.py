@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from varuna.cutpoint import SKIPPED, CutPoint, _handling, is_skipped
-from varuna.errors import ConfigError
+from varuna._standin import StandIn, origin_of, stand_in_context
+from varuna.cutpoint import CutPoint, _handling
+from varuna.errors import ConfigError, PartitionError
 from varuna.models import (
     GPT,
     BertConfig,
@@ -172,14 +173,29 @@ def test_cutpoints_n_layer_minus_one_each_called_once_in_order(make: object) -> 
 
 @pytest.mark.parametrize("make", [tiny_gpt, tiny_bert])
 @pytest.mark.parametrize("cut", [0, 1, 2])
-def test_skipped_activation_makes_the_rest_a_no_op(make: object, cut: int) -> None:
-    """A stage that ends at a cut returns SKIPPED: nothing after it may read shapes in Python."""
+def test_the_model_runs_on_a_stand_in_and_the_loss_says_where_it_came_from(make: object, cut: int) -> None:
+    """A value another stage computes is a stand-in (shape, dtype, device): the rest of the model
+    runs on it without data, and the loss it reaches is a stand-in naming its origin."""
     model = make()  # type: ignore[operator]
     batch = gpt_batch(model.config) if isinstance(model, GPT) else bert_batch(model.config)
-    handler = _Replace(model.cuts[cut], SKIPPED)
+    captured: list[torch.Tensor] = []
+    model.cuts[cut].register_forward_hook(lambda mod, inp, out: captured.append(out))
+    model(**batch)
+    stand_in = StandIn(captured[0].to("meta"), captured[0].device, f"blocks.{cut}")
+    handler = _Replace(model.cuts[cut], stand_in)
+    names = {id(p): n for n, p in model.named_parameters()}
+    # A stand-in reaching a module whose parameters this stage trains is an error, naming both.
+    with _handling(handler), stand_in_context(1, f"cuts.{cut}", names):
+        with pytest.raises(PartitionError, match=rf"on stage 1, \w+ with parameter 'blocks\.{cut + 1}\..*"
+                           rf"uses the output of module 'blocks\.{cut}'.*CutPoint 'cuts\.{cut}'"):  # fmt: skip
+            model(**batch)
+    # Frozen (as on a stage that holds none of them), the model runs on it without data.
+    model.requires_grad_(False)
+    handler.seen.clear()
     with _handling(handler):
         out = model(**batch)
-    assert is_skipped(out)
+    assert isinstance(out, StandIn) and out.shape == () and out.device == captured[0].device
+    assert origin_of(out) == f"blocks.{cut}"
     assert handler.seen == list(model.cuts)
 
 

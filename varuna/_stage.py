@@ -24,13 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna._files import write_json_atomic
+from varuna._standin import SkippedForward
 from varuna.config import VarunaConfig
-from varuna.cutpoint import SKIPPED, CutPoint
+from varuna.cutpoint import CutPoint
 from varuna.partition import Partition, Trace, canonical_names, make_partition, profile_segments, trace_model
-
-
-def _skip_forward(*args: Any, **kwargs: Any) -> Any:
-    return SKIPPED
 
 
 def trace(model: nn.Module, micro: dict[str, Any] | None) -> Trace:
@@ -105,8 +102,11 @@ def _segment_costs(
     return [float(c) for c in box[0]]
 
 
-def strip(model: nn.Module, owned: set[str]) -> None:
-    """Replace every parameter this stage does not hold by a meta tensor; skip modules left empty."""
+def strip(model: nn.Module, owned: set[str], device: torch.device) -> None:
+    """Replace every parameter this stage does not hold by a meta tensor; skip modules left empty.
+
+    A skipped module returns stand-ins on `device` with its output's shape and dtype
+    (`varuna._standin`), so the glue code between modules runs on every stage."""
     canon, _ = canonical_names(model)
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -119,20 +119,20 @@ def strip(model: nn.Module, owned: set[str]) -> None:
                 )
             module._parameters[pname] = replaced[id(p)]
 
-    def visit(module: nn.Module) -> None:
+    def visit(name: str, module: nn.Module) -> None:
         params = list(module.parameters())
         if params and all(p.is_meta for p in params) and not isinstance(module, CutPoint):
-            module.forward = _skip_forward  # type: ignore[method-assign]
             for sub in module.modules():
                 for bname, b in list(sub._buffers.items()):
                     if b is not None:
                         sub._buffers[bname] = torch.empty_like(b, device="meta")
+            module.forward = SkippedForward(module, name, device)  # type: ignore[method-assign]
             return
-        for child in module.children():
-            visit(child)
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}", child)
 
-    for child in model.children():
-        visit(child)
+    for child_name, child in model.named_children():
+        visit(child_name, child)
 
 
 def to_device(model: nn.Module, device: torch.device) -> None:

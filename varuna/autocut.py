@@ -17,9 +17,9 @@ container (so no ``nn.Sequential`` calls them by accident); they hold no paramet
 
 Blocks returning tuples (the transformers library's blocks return ``(hidden_states, present, ...)``):
 only the first element, the hidden states, crosses the cut. The other elements (key/value caches,
-attention maps) stay on the stage that computed them; on later stages they are the `SKIPPED`
-placeholder, so a loss must not depend on them. Train with ``use_cache=False`` and without
-``output_attentions``/``output_hidden_states``.
+attention maps) stay on the stage that computed them; on later stages they are stand-ins (shape,
+dtype and device, no data), and a loss or a module that uses one raises `PartitionError`. Train
+without ``output_attentions``/``output_hidden_states``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from varuna.cutpoint import SKIPPED, CutPoint
+from varuna.cutpoint import CutPoint
 from varuna.errors import PartitionError
 
 __all__ = ["auto_cut", "find_blocks"]
@@ -48,25 +48,14 @@ class _CutHook:
     def __init__(self, cut: CutPoint, block_name: str) -> None:
         self.cut = cut
         self.block_name = block_name
-        self.arity: int | None = None
-        """Length of the tuple the block returned last time it ran for real (None: a tensor)."""
-        self.sequence_type: type = tuple
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if output is SKIPPED:
-            # The engine skipped this block (another stage holds it): rebuild the output's shape, so
-            # that the model's `outputs[0]` picks the value the CutPoint splices in, not row 0 of it.
-            value = self.cut(SKIPPED)
-            if self.arity is None:
-                return value
-            return self.sequence_type((value, *(SKIPPED for _ in range(self.arity - 1))))
         if isinstance(output, (tuple, list)):
             if not output:
                 raise PartitionError(
                     f"auto_cut: block {self.block_name!r} returned an empty {type(output).__name__}; "
                     "a block must return its hidden states (a tensor, or a tuple whose first element is one)"
                 )
-            self.arity, self.sequence_type = len(output), type(output)
             return type(output)((self.cut(output[0]), *output[1:]))
         if not hasattr(output, "shape"):
             raise PartitionError(
@@ -74,7 +63,6 @@ class _CutHook:
                 "blocks returning a tensor or a tuple/list whose first element is the hidden states. "
                 "Put varuna.CutPoint() calls in the model's forward by hand instead."
             )
-        self.arity = None
         return self.cut(output)
 
 

@@ -3,8 +3,8 @@
 Outside a Varuna engine a CutPoint is the identity, so an annotated model trains as before.
 Inside the engine, the CutPoint that opens this rank's stage swaps in the activation received
 from the previous stage, and the one that closes it hands the activation to the runtime and
-returns `SKIPPED`, a placeholder tensor that makes every later operation a no-op, so the rest
-of the user's `forward` costs microseconds instead of another stage's compute.
+ends the stage's forward there. Before its input CutPoint a stage runs only the glue between
+modules, on stand-ins for the values other stages compute (`varuna._standin`).
 
     class GPT(nn.Module):
         def forward(self, input_ids, labels):
@@ -22,35 +22,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["CutPoint", "SKIPPED", "is_skipped"]
+__all__ = ["CutPoint", "model_loss"]
 
 
-class _Skipped(torch.Tensor):
-    """A value computed by another stage: every torch operation on it returns it again."""
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        return SKIPPED
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # pragma: no cover
-        return "SKIPPED"
-
-
-SKIPPED: torch.Tensor = torch.Tensor._make_subclass(_Skipped, torch.empty(0))
-"""The placeholder for a value this rank does not compute."""
-
-
-def is_skipped(value: Any) -> bool:
-    """Whether `value` is (or contains) the placeholder of a value computed on another stage."""
-    if isinstance(value, _Skipped):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(is_skipped(v) for v in value)
-    if isinstance(value, dict):
-        return any(is_skipped(v) for v in value.values())
-    return False
+def model_loss(result: Any) -> Any:
+    """The loss in what the model's forward returned: the result itself, or its ``loss`` (a
+    transformers ``ModelOutput``, or a dict, when the batch holds labels)."""
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, dict) and "loss" in result:
+        return result["loss"]
+    loss = getattr(result, "loss", None)
+    return result if loss is None else loss
 
 
 class _CutHandler(Protocol):

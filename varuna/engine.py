@@ -166,7 +166,7 @@ class Varuna:
             model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast
         )
         owned = set(self.partition.stage_params[self.stage])
-        _stage.strip(model, owned)
+        _stage.strip(model, owned, self.device)
         _stage.to_device(model, self.device)
         self._params = _stage.owned_parameters(model)
         self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage)

@@ -6,9 +6,8 @@ They follow the contract the engine relies on:
 - every CutPoint is called exactly once per forward, in order;
 - values computed from the batch alone (position ids, BERT's extended attention mask) are computed at
   the top of `forward` and never pass through a CutPoint, so every stage can recompute them;
-- no code after a CutPoint reads an activation's shape in Python (`B, T, C = x.shape`): on a rank that
-  does not compute that part of the model the activation is the `SKIPPED` placeholder, and only torch
-  operations on it are no-ops.
+- on a rank that does not compute a part of the model its activations are stand-ins (shape, dtype and
+  device, no data; `varuna._standin`), so the glue between modules may read shapes but not values.
 
     cfg = gpt_tiny()
     model = GPT(cfg)
@@ -84,7 +83,7 @@ class _SelfAttention(nn.Module):
     """Multi-head self-attention with a fused QKV projection, via `F.scaled_dot_product_attention`.
 
     Shapes are taken from the module's own settings, never from the input in Python, so the
-    module is a no-op on the `SKIPPED` placeholder.
+    module runs on the stand-ins of stages that skip it.
     """
 
     def __init__(self, d_model: int, n_head: int, dropout: float, *, causal: bool) -> None:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from varuna.cutpoint import CutPoint, _handling
+from varuna.cutpoint import CutPoint, _handling, model_loss
 from varuna.errors import ConfigError, PartitionError
 
 __all__ = ["Trace", "Partition", "TiedGroup", "trace_model", "profile_segments", "make_partition", "balance"]
@@ -221,9 +221,9 @@ def profile_segments(
         with _handling(timer):
             if autocast is not None:
                 with autocast():
-                    loss = model(**batch)
+                    loss = model_loss(model(**batch))
             else:
-                loss = model(**batch)
+                loss = model_loss(model(**batch))
         fwd_end = time.perf_counter()
         loss.backward()
         bwd_end = time.perf_counter()

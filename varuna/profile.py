@@ -52,7 +52,7 @@ from varuna._netprofile import NETWORK_SIZES, profile_network
 from varuna._passes import _device_of, _micro_batch, _micro_len, _preserved
 from varuna._slowdown import measure_slowdown
 from varuna.costs import CostTable, NetworkCost, SegmentCost, model_signature
-from varuna.cutpoint import CutPoint, _handling
+from varuna.cutpoint import CutPoint, _handling, model_loss
 from varuna.errors import ConfigError
 from varuna.partition import trace_model
 from varuna.precision import autocast_policy
@@ -186,7 +186,7 @@ def _profile(
 
     def forward(clock: _Clock, micro: dict[str, Any]) -> Any:
         with _handling(clock), autocast():
-            loss = model(**micro)
+            loss = model_loss(model(**micro))
         if len(clock.marks) != k:
             raise ConfigError(
                 f"the model called {len(clock.marks)} CutPoints at micro-batch size "

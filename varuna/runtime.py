@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from varuna._backward import WeightGrads, input_grads_first
+from varuna._standin import cross_stage_error, origin_of, stand_in_context
 from varuna.comm import P2P, flatten_value
-from varuna.cutpoint import SKIPPED, CutPoint, _handling, is_skipped
+from varuna.cutpoint import CutPoint, _handling, model_loss
 from varuna.errors import PartitionError
 from varuna.schedule import WEIGHT_KIND, Action, Span
 
@@ -48,6 +49,16 @@ class StepTimes:
     spans: list[Span] = field(default_factory=list)
     split: int = 0
     """Backwards that ran as an input half (B) and a weight half (W) (see `split_backwards`)."""
+
+
+class _StageDone(BaseException):
+    """Raised by the CutPoint where a stage ends, once it holds the value the stage sends.
+
+    Nothing after that CutPoint is this stage's work (a parameter used later is held, as a tied
+    copy, by the stage that uses it), so the forward stops there instead of running the rest of
+    the model on stand-ins. A BaseException, so that a model's `except Exception` does not catch
+    it; only `StageRuntime._forward` does, and only this type.
+    """
 
 
 class _StageCuts:
@@ -69,7 +80,7 @@ class _StageCuts:
             return self.inputs
         if index == self.end:
             self.output = value
-            return tuple(SKIPPED for _ in value) if isinstance(value, (tuple, list)) else SKIPPED
+            raise _StageDone
         return value
 
 
@@ -122,6 +133,10 @@ class StageRuntime:
         self.recompute = recompute and not self.last
         self.opportunistic = opportunistic
         self.where = where
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._stand_ins = stand_in_context(
+            stage, cut_names[start_cut] if start_cut is not None else None, names
+        )
 
     # one step ----------------------------------------------------------------------------------
     def run(
@@ -278,35 +293,36 @@ class StageRuntime:
         cuts = self.cuts
         cuts.inputs = inputs
         cuts.output = None
-        with torch.set_grad_enabled(grad), self.autocast(), _handling(cuts):
-            result = self.model(**self.micro[m])
+        done = False
+        try:
+            with torch.set_grad_enabled(grad), self.autocast(), _handling(cuts), self._stand_ins:
+                result = self.model(**self.micro[m])
+        except _StageDone:
+            done = True
         if self.last:
-            if not isinstance(result, torch.Tensor) or is_skipped(result) or result.numel() != 1:
-                raise self._bad_result(result)
-            return result
-        if cuts.output is None:
+            loss = model_loss(result)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or origin_of(loss) is not None:
+                raise self._bad_result(loss)
+            return loss
+        if not done:
             raise PartitionError(
                 f"stage {self.stage}'s forward returned without calling CutPoint "
                 f"{cuts.names[cuts.end or 0]!r}, where this stage ends; every CutPoint must be called once "
                 "per forward, whatever the batch"
             )
-        if is_skipped(cuts.output):
-            raise self._cross_stage(cuts.names[cuts.end or 0])
+        origin = origin_of(cuts.output)
+        if origin is not None:
+            with self._stand_ins:
+                raise cross_stage_error(f"the value sent at CutPoint {cuts.names[cuts.end or 0]!r}", origin)
         return cuts.output
 
     def _bad_result(self, result: Any) -> Exception:
-        if is_skipped(result):
-            return self._cross_stage("the loss")
+        origin = origin_of(result)
+        if origin is not None:
+            with self._stand_ins:
+                return cross_stage_error("the loss", origin)
         shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
         return PartitionError(
-            f"the model's forward must return the loss as a scalar tensor, got {shape}; "
-            "compute the loss inside forward(**batch)"
-        )
-
-    def _cross_stage(self, what: str) -> Exception:
-        return PartitionError(
-            f"on stage {self.stage}, {what} depends on a value computed by another stage that did not pass "
-            "through a CutPoint (only the value given to the CutPoint at a stage boundary crosses it; values "
-            "computed from the batch alone are recomputed on every stage); pass the value through the "
-            "CutPoint, e.g. x = cut((x, extra)), or compute it from the batch"
+            f"the model's forward must return the loss as a scalar tensor (or an output with a .loss, as "
+            f"transformers models do when given labels), got {shape}; compute the loss inside forward(**batch)"
         )

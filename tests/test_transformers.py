@@ -1,0 +1,142 @@
+"""Unmodified transformers models, cut by `auto_cut`, trained by the real engine (`varuna run`).
+
+GPT-2 (tied embeddings), BERT masked-LM (tied decoder, padding on part of the batch) and Llama
+(tied embeddings, grouped-query attention) at 2x1, 2x2 and 4x1, every schedule once per model,
+5 AdamW steps: the losses and final parameters equal plain training on the same micro-batches
+(fp32, dropout 0). With dropout, the recomputing `varuna` schedule gives 1F1B's losses. A GPT-2
+loaded with `from_pretrained` trains at P = 2. A loss on a value another stage computes is a
+`PartitionError` naming the module and the CutPoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from hf_common import CONFIGS, MODELS, SHAPES, STEPS, build, reference, schedule_for  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+TIMEOUT = 420
+
+
+def _launch(world: int, script: str, args: list[str], run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(world), "--data", "1",
+           "--run-dir", str(run_dir), str(SCRIPTS / script), *args]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=run_dir.parent)
+
+
+def _wait(proc: subprocess.Popen[bytes], log: Path) -> tuple[int | str, str]:
+    try:
+        code: int | str = proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = "timeout"
+    return code, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The two training jobs (world 2 and 4) and the misuse job, started at once."""
+    base = tmp_path_factory.mktemp("transformers")
+    pretrained = base / "pretrained"
+    build("gpt2", seed=4321).save_pretrained(pretrained)
+    out = base / "out"
+    procs = {
+        world: _launch(
+            world,
+            "transformers_worker.py",
+            [str(out), str(world), str(pretrained)],
+            base / f"run{world}",
+            base / f"w{world}.log",
+        )  # fmt: skip
+        for world in CONFIGS
+    }
+    procs["misuse"] = _launch(2, "transformers_misuse.py", [], base / "misuse", base / "misuse.log")
+    results = {
+        key: _wait(proc, base / f"{'w' if key != 'misuse' else ''}{key}.log") for key, proc in procs.items()
+    }
+    for world in CONFIGS:
+        code, text = results[world]
+        assert code == 0, f"world {world} job failed ({code}):\n{text[-6000:]}"
+    return {"out": out, "pretrained": pretrained, "misuse": results["misuse"]}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    torch.set_num_threads(1)
+    return {kind: reference(kind) for kind in MODELS}
+
+
+def _ranks(path: Path) -> list[dict[str, object]]:
+    files = sorted(path.glob("rank*.pt"))
+    assert files, f"nothing saved in {path}"
+    return [torch.load(f, weights_only=True) for f in files]
+
+
+def _assert_equal_to(
+    ranks: list[dict[str, object]], losses: list[float], params: dict[str, torch.Tensor]
+) -> None:
+    for r in ranks:
+        assert r["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, value in r["params"].items():  # type: ignore[union-attr]
+            torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=name)
+    held = {n for r in ranks for n in r["params"]}  # type: ignore[union-attr]
+    assert held == set(params), "every parameter is held by some stage"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("kind", MODELS)
+def test_equal_to_plain_training(
+    jobs: dict[str, object], references: dict, kind: str, shape: tuple[int, int]
+) -> None:
+    P, D = shape
+    ranks = _ranks(jobs["out"] / f"{kind}-{P}x{D}")  # type: ignore[operator]
+    assert len(ranks) == P * D and {r["stage"] for r in ranks} == set(range(P))
+    _assert_equal_to(ranks, *references[kind])
+
+
+def test_every_model_runs_every_schedule() -> None:
+    for kind in MODELS:
+        assert {schedule_for(kind, s) for s in SHAPES} == {"gpipe", "1f1b", "varuna"}
+
+
+def test_dropout_recomputing_schedule_equals_1f1b(jobs: dict[str, object]) -> None:
+    out = jobs["out"]
+    one_f_one_b, varuna = (_ranks(out / f"dropout-{s}") for s in ("1f1b", "varuna"))  # type: ignore[operator]
+    plain = reference("gpt2")[0]
+    for a, b in zip(one_f_one_b, varuna):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        # dropout is on: not the dropout-0 losses (which agree to 1e-6)
+        assert max(abs(x - y) for x, y in zip(a["losses"], plain)) > 1e-4
+
+
+def test_pretrained_weights_train_at_p2(jobs: dict[str, object]) -> None:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(jobs["pretrained"])
+    model.train()
+    ranks = _ranks(jobs["out"] / "pretrained")  # type: ignore[operator]
+    losses, params = reference("gpt2", model=model)
+    _assert_equal_to(ranks, losses, params)
+    assert len(ranks[0]["losses"]) == STEPS
+
+
+def test_a_loss_on_another_stages_value_is_a_partition_error(jobs: dict[str, object]) -> None:
+    code, text = jobs["misuse"]  # type: ignore[misc]
+    assert code not in (0, "timeout"), text[-3000:]
+    assert "PartitionError: on stage 1, the loss uses the output of module 'lm.transformer.h.0'" in text, (
+        text[-3000:]
+    )
+    assert "CutPoint 'lm.transformer.varuna_cuts.1'" in text
