@@ -140,3 +140,25 @@ def test_a_loss_on_another_stages_value_is_a_partition_error(jobs: dict[str, obj
         text[-3000:]
     )
     assert "CutPoint 'lm.transformer.varuna_cuts.1'" in text
+
+
+def test_a_2x2_checkpoint_consolidates_into_the_plain_model(jobs: dict[str, object], tmp_path: Path) -> None:
+    import transformers
+    from safetensors.torch import load_file
+
+    from varuna import CheckpointError, consolidate
+
+    tag = jobs["out"] / "gpt2-2x2"  # type: ignore[operator]
+    out = consolidate(tag / "checkpoints", tmp_path / "gpt2.safetensors", model=build("gpt2"))
+    plain = build("gpt2", seed=0)
+    plain.load_state_dict(load_file(out), strict=True)
+    trained = {n: v for r in _ranks(tag) for n, v in r["params"].items()}  # type: ignore[union-attr]
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), trained[name]), name
+    assert torch.equal(plain.lm_head.weight, plain.transformer.wte.weight)  # still tied
+    plain.save_pretrained(tmp_path / "hf")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for (name, a), b in zip(plain.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(CheckpointError, match=r"(?s)does not fit.*BertForMaskedLM"):
+        consolidate(tag / "checkpoints", tmp_path / "x.safetensors", model=build("bert"))

@@ -19,6 +19,7 @@ __all__ = [
     "data",
     "make_schedule",
     "auto_cut",
+    "consolidate",
     "VarunaError",
     "ConfigError",
     "PartitionError",
@@ -33,6 +34,7 @@ _WHERE = {
     "Varuna": "varuna.engine",
     "make_schedule": "varuna.schedule",
     "auto_cut": "varuna.autocut",
+    "consolidate": "varuna.consolidation",
     **{
         name: "varuna.errors"
         for name in (
@@ -49,6 +51,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from varuna import data
     from varuna.autocut import auto_cut
+    from varuna.consolidation import consolidate
     from varuna.cutpoint import CutPoint
     from varuna.engine import Varuna
     from varuna.errors import (

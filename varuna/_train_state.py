@@ -4,6 +4,11 @@
 says which tensors and values make an exact resume: this rank's parameters ("model.<name>"), its
 optimizer state ("optim.<name>.<key>"), its RNG state ("rng.rank<r>"), and in `extra.pt` the
 step, the config, the loss scale, the LR scheduler and the optimizer's hyper-parameters and class.
+
+For `varuna.consolidate` (one plain state dict from a checkpoint saved at any P x D) it also saves
+this rank's real persistent buffers ("buffer.<state_dict key>") and, in `extra.pt`, where every key
+of the plain model's `state_dict()` comes from (`state_dict_layout`). Resume reads neither: it loads
+only the keys it asks for.
 """
 
 from __future__ import annotations
@@ -21,7 +26,38 @@ from torch import nn
 from varuna import checkpoint as ckpt
 from varuna.config import VarunaConfig
 from varuna.errors import CheckpointError
+from varuna.partition import canonical_names
 from varuna.precision import LossScaler
+
+
+def state_dict_layout(
+    model: nn.Module, params: list[tuple[str, nn.Parameter]]
+) -> tuple[dict[str, list[str]], dict[str, torch.Tensor]]:
+    """Where each key of the plain model's `state_dict()` is stored, and this rank's buffers to save.
+
+    The layout maps a key to ["param", canonical name] (the tensor "model.<canonical name>"),
+    ["buffer", key] (the tensor "buffer.<key>") or ["other", type name] (not a parameter or buffer,
+    e.g. a module's extra state: not consolidated). It is the same on every rank: the engine
+    replaces a stripped parameter by one meta Parameter per original, so an alias of a parameter
+    another stage holds (`lm_head.weight` -> `transformer.wte.weight`) is still found by identity,
+    and a stripped buffer keeps its key. The buffers are this rank's real (not meta) ones that
+    `state_dict()` holds, i.e. the persistent ones; data-parallel copies are written once.
+    """
+    canon, _ = canonical_names(model)
+    canon |= {id(p): n for n, p in params}
+    buffer_ids = {id(b) for _, b in model.named_buffers(remove_duplicate=False)}
+    layout: dict[str, list[str]] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor) and id(value) in canon:
+            layout[key] = ["param", canon[id(value)]]
+        elif isinstance(value, torch.Tensor) and id(value) in buffer_ids:
+            layout[key] = ["buffer", key]
+            if not value.is_meta:
+                buffers[f"buffer.{key}"] = value.detach()
+        else:
+            layout[key] = ["other", type(value).__name__]
+    return layout, buffers
 
 
 def save(
@@ -31,15 +67,21 @@ def save(
     *,
     step: int,
     rank: int,
+    model: nn.Module,
     params: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer | None,
     scaler: LossScaler | None,
     lr_scheduler: Any,
 ) -> tuple[Path, dict[str, Any]]:
     """Collective: save this rank's share under `root`; the checkpoint's path and its record
-    (`Varuna.last_checkpoint`: path, bytes, seconds, step)."""
+    (`Varuna.last_checkpoint`: path, bytes, seconds, step).
+
+    `model` is the whole (stripped) model, `params` the (canonical name, Parameter) this rank holds.
+    """
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {f"model.{n}": p.detach() for n, p in params}
+    layout, buffers = state_dict_layout(model, params)
+    tensors |= buffers
     optim, groups = ckpt.optimizer_tensors(optimizer, params)
     tensors |= optim
     tensors[f"rng.rank{rank}"] = torch.get_rng_state()
@@ -52,6 +94,11 @@ def save(
         "optimizer_groups": groups,
         "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
         "world": {"pipeline": config.pipeline, "data": config.data},
+        "state_dict": layout,
+        "model": {
+            "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
     }
     path, size = ckpt.save(root, step, tensors, extra, rank=rank, keep=config.checkpoint_keep)
     record = {

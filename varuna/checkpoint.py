@@ -7,9 +7,10 @@ Layout under the run directory:
         .metadata               torch.distributed.checkpoint's metadata: every key's shape and dtype,
                                 and where its bytes lie (file, offset, length, CRC-32 of the bytes)
         __R_0.distcp            rank R's tensors, "model.<name>", "optim.<name>.<key>", "rng.rank<r>",
-                                their raw bytes one after the other — replicated copies (data
-                                parallel, tied) written once
-        extra.pt                step, config, loss scale, LR scheduler, optimizer hyper-parameters
+                                "buffer.<state_dict key>", their raw bytes one after the other —
+                                replicated copies (data parallel, tied) written once
+        extra.pt                step, config, loss scale, LR scheduler, optimizer hyper-parameters,
+                                the model's state_dict layout (for varuna.consolidate)
         manifest.json           every file with its size (and CRC-32 of the small ones), written last
       latest                    the name of the newest committed checkpoint, replaced atomically
 
@@ -28,6 +29,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -199,8 +201,12 @@ def load_tensors(path: Path, tensors: Mapping[str, torch.Tensor], *, process_gro
     """Collective over `process_group` (default: all ranks): fill `tensors` in place from the checkpoint.
 
     A damaged extent fails the load on every rank with the same CheckpointError naming the file.
+    Without an initialised process group it reads in this process alone, checking every extent it
+    reads (`varuna.consolidate` reads a checkpoint so, outside any job).
     """
-    with cio.dcp_errors(f"checkpoint {path} could not be read"):
+    with cio.dcp_errors(f"checkpoint {path} could not be read"), warnings.catch_warnings():
+        # Without a process group DCP reads alone and warns that it assumes so; that is the intent.
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*single process")
         dcp.load(dict(tensors), storage_reader=cio.Reader(path), process_group=process_group)
 
 

@@ -1,7 +1,7 @@
 """The ``varuna`` command line: ``varuna run --pipeline P --data D train.py [args ...]``.
 
-Everything after the script (or after ``-m module``) goes to the script untouched. More
-subcommands (profile, plan, bench, resize) hang off the same parser as they arrive.
+Everything after the script (or after ``-m module``) goes to the script untouched. The other
+subcommands (resize, plan, profile, consolidate) hang off the same parser.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from varuna.errors import ConfigError, LaunchError
+from varuna.errors import CheckpointError, ConfigError, LaunchError
 
 __all__ = ["main", "build_parser"]
 
@@ -73,7 +73,35 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     resize.add_argument("--no-signal", action="store_true", help="only queue the shape for the next morph")
     _add_plan_parser(sub)
     _add_profile_parser(sub)
+    _add_consolidate_parser(sub)
     return parser, run
+
+
+def _add_consolidate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    consolidate = sub.add_parser(
+        "consolidate",
+        help="write one safetensors state dict of the plain model from a checkpoint saved at any P x D",
+        description="Read a checkpoint (a step directory, or the latest under a checkpoints/ or run "
+        "directory) and write the plain model's state_dict() to OUT, for model.load_state_dict.",
+        epilog="example: varuna consolidate runs/gpt out/gpt.safetensors",
+    )
+    consolidate.add_argument(
+        "checkpoint", type=Path, metavar="CHECKPOINT", help="step, checkpoints/ or run dir"
+    )
+    consolidate.add_argument("out", type=Path, metavar="OUT", help="the .safetensors file to write")
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from safetensors import safe_open
+
+    from varuna.consolidation import consolidate, find_checkpoint
+
+    source = find_checkpoint(args.checkpoint)
+    out = consolidate(source, args.out)
+    with safe_open(str(out), framework="pt") as f:
+        n = len(list(f.keys()))
+    print(f"varuna: wrote {out} ({n} tensors, {out.stat().st_size} bytes) from {source}")
+    return 0
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -236,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             return _resize(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "consolidate":
+            return _consolidate(args)
         parser.error(f"unknown command {args.command!r}")
-    except (ConfigError, LaunchError) as exc:
+    except (ConfigError, LaunchError, CheckpointError) as exc:
         print(f"varuna: error: {exc}", file=sys.stderr)
         return 2
     return 2

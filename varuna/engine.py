@@ -416,6 +416,7 @@ class Varuna:
             self.config_dict(),
             step=self.step_count,
             rank=self.rank,
+            model=self.model,
             params=self._params,
             optimizer=self.optimizer,
             scaler=self.scaler,

@@ -3,7 +3,8 @@
 Run as `varuna run --pipeline W --data 1 tests/scripts/transformers_worker.py OUT W PRETRAINED`:
 one job serves every P x D with P * D == W (see hf_common.CONFIGS). World 2 also trains GPT-2
 with dropout under 1F1B and under the recomputing `varuna` schedule from one seed, and a GPT-2
-loaded with `from_pretrained` from PRETRAINED (written by the test with `save_pretrained`).
+loaded with `from_pretrained` from PRETRAINED (written by the test with `save_pretrained`). World 4
+checkpoints its 2x2 GPT-2, which the test consolidates into the plain model.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def train(tag: str, model: torch.nn.Module, kind: str, P: int, D: int, schedule:
     }
     (out / tag).mkdir(parents=True, exist_ok=True)
     torch.save(record, out / tag / f"rank{engine.rank}.pt")
+    if tag == "gpt2-2x2":  # for varuna.consolidate -> the plain model -> save_pretrained
+        engine.checkpoint(out / tag / "checkpoints")
     engine.close()
     return engine
 
