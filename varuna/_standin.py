@@ -62,10 +62,26 @@ _context = _Context()
 
 class timer:
     """Seconds spent in stand-in work on this process (skipped modules and glue on stand-ins),
-    accumulated only while `timer.enabled` is set (the stand-in bench turns it on)."""
+    accumulated only while `timer.enabled` is set (the stand-in bench turns it on). Nested work
+    (an operation inside another) counts once.
+
+        with timer():
+            ...            # adds the elapsed time to timer.seconds, unless already inside one
+    """
 
     enabled = False
     seconds = 0.0
+    _depth = 0
+
+    def __enter__(self) -> None:
+        type(self)._depth += 1
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        cls = type(self)
+        cls._depth -= 1
+        if cls._depth == 0:
+            cls.seconds += time.perf_counter() - self.t0
 
 
 class stand_in_context:
@@ -134,31 +150,31 @@ class StandIn(torch.Tensor):
     def __torch_function__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        kwargs = kwargs or {}
-        leaves = tree_flatten((args, kwargs))[0]
-        origin = next((a.origin for a in leaves if isinstance(a, StandIn)), None)
-        if origin is not None:
-            for a in leaves:
-                if isinstance(a, nn.Parameter) and a.requires_grad and not a.is_meta:
-                    name = _context.param_names.get(id(a), f"a parameter of shape {tuple(a.shape)}")
-                    raise cross_stage_error(
-                        f"{getattr(func, '__name__', func)} with parameter {name!r}", origin
-                    )
-        # No autograd: a stand-in has no gradient to carry, and recording would save stand-ins
-        # for a backward that never reaches them.
-        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            return func(*args, **kwargs)
+        if not timer.enabled:
+            return _function(func, args, kwargs or {})
+        with timer():
+            return _function(func, args, kwargs or {})
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub omits `func`
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        t0 = time.perf_counter() if timer.enabled else 0.0
-        try:
-            return _dispatch(func, args, kwargs or {})
-        finally:
-            if timer.enabled:
-                timer.seconds += time.perf_counter() - t0
+        return _dispatch(func, args, kwargs or {})
+
+
+def _function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A torch function called with a stand-in among its arguments (before dispatch)."""
+    leaves = tree_flatten((args, kwargs))[0]
+    origin = next((a.origin for a in leaves if isinstance(a, StandIn)), None)
+    if origin is not None:
+        for a in leaves:
+            if isinstance(a, nn.Parameter) and a.requires_grad and not a.is_meta:
+                name = _context.param_names.get(id(a), f"a parameter of shape {tuple(a.shape)}")
+                raise cross_stage_error(f"{getattr(func, '__name__', func)} with parameter {name!r}", origin)
+    # No autograd: a stand-in has no gradient to carry, and recording would save stand-ins for a
+    # backward that never reaches them.
+    with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+        return func(*args, **kwargs)
 
 
 _op_cache: dict[Any, Any] = {}
@@ -205,7 +221,7 @@ def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
 
 def _op_name(func: Any) -> str:
     packet = getattr(func, "overloadpacket", None)
-    return getattr(packet, "__name__", None) or getattr(func, "__name__", str(func))
+    return str(getattr(packet, "__name__", None) or getattr(func, "__name__", func))
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -298,7 +314,12 @@ class SkippedForward:
         return type(value).__qualname__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter() if timer.enabled else 0.0
+        if not timer.enabled:
+            return self._call(args, kwargs)
+        with timer():
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = self._key((args, kwargs))
         meta_out = self.cache.get(key)
         if meta_out is None:
@@ -306,9 +327,6 @@ class SkippedForward:
             with torch.no_grad():
                 meta_out = self.forward(*margs, **mkwargs)
             self.cache[key] = meta_out
-        out = tree_map(
+        return tree_map(
             lambda t: StandIn(t, self.device, self.name) if isinstance(t, torch.Tensor) else t, meta_out
         )
-        if timer.enabled:
-            timer.seconds += time.perf_counter() - t0
-        return out

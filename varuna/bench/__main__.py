@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph | telemetry | planner) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ BENCHES = {
         "steps, compared in adjacent pairs: samples/s off and on and the overhead with its spread; then "
         "the widget refresh rate for 4 stages x 64 micro-batches.",
         "tiny model, few steps: a smoke run of every path",
+    ),
+    "standin": (
+        "what stand-ins cost a stage's forward on transformers GPT-2 and Llama",
+        "Cut 12-block transformers GPT-2 and Llama with auto_cut, run them at P = 2 and 4 with even "
+        "stages, and time each stage's forward with the stand-in work (glue on values other stages "
+        "compute, skipped modules inferred on meta) measured inside it.",
+        "small models, P = 2: a smoke run",
     ),
     "planner": (
         "the planner's predicted step time against the measured one, over P x D, micro-batch, schedule",
