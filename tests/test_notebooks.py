@@ -3,7 +3,8 @@
 Each notebook runs in a copy of notebooks/ under tmp_path, so its runs/ never lands in the repo.
 The quickstart asserts its own story (checkpoint on disk, a 2x2 -> 4x1 resize, stop, resume, every
 step present once, no loss jump at a relaunch); the bubbles notebook asserts all three schedules
-finished and measured a bubble.
+finished and measured a bubble; the transformers notebook trains a stock GPT-2 at 2x2, asserts the loss
+fell, and generates from the consolidated weights.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def stream_text(nb: nbformat.NotebookNode) -> str:
     )
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "bubbles.ipynb"])
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "bubbles.ipynb", "finetune_transformers.ipynb"])
 def test_committed_without_outputs(name: str) -> None:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -70,3 +71,12 @@ def test_bubbles_runs_headless(tmp_path: Path) -> None:
     for schedule in ("gpipe", "1f1b", "varuna"):
         assert f"{schedule}: finished" in text
         assert any(line.startswith(f"{schedule:7s} measured") for line in text.splitlines())
+
+
+@pytest.mark.timeout(400)
+def test_finetune_transformers_runs_headless(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    nb = execute("finetune_transformers.ipynb", tmp_path, timeout=300)
+    text = stream_text(nb)
+    assert "loss " in text and "generated: 'def __init__(self" in text
+    assert list((tmp_path / "nb" / "runs").glob("finetune-*/trained/model.safetensors"))

@@ -29,9 +29,18 @@ pytestmark = pytest.mark.multirank
 TIMEOUT = 420
 
 
-def _launch(world: int, script: str, args: list[str], run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+def _readme_block() -> str:
+    """The README's "Train a transformers model" code, as the user copies it."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("<!-- tests/test_transformers.py runs this block as a 2x2 job -->")
+    return text[start:].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _launch(
+    world: int, script: str, args: list[str], run_dir: Path, log: Path, data: int = 1
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(world), "--data", "1",
+    cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(world // data), "--data", str(data),
            "--run-dir", str(run_dir), str(SCRIPTS / script), *args]  # fmt: skip
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=run_dir.parent)
 
@@ -64,13 +73,15 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         for world in CONFIGS
     }
     procs["misuse"] = _launch(2, "transformers_misuse.py", [], base / "misuse", base / "misuse.log")
-    results = {
-        key: _wait(proc, base / f"{'w' if key != 'misuse' else ''}{key}.log") for key, proc in procs.items()
-    }
+    readme = base / "train_hf.py"
+    readme.write_text(_readme_block())
+    procs["readme"] = _launch(4, str(readme), [], base / "readme", base / "readme.log", data=2)
+    logs = {key: base / (f"w{key}.log" if isinstance(key, int) else f"{key}.log") for key in procs}
+    results = {key: _wait(proc, logs[key]) for key, proc in procs.items()}
     for world in CONFIGS:
         code, text = results[world]
         assert code == 0, f"world {world} job failed ({code}):\n{text[-6000:]}"
-    return {"out": out, "pretrained": pretrained, "misuse": results["misuse"]}
+    return {"out": out, "pretrained": pretrained, "misuse": results["misuse"], "readme": results["readme"]}
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +173,12 @@ def test_a_2x2_checkpoint_consolidates_into_the_plain_model(jobs: dict[str, obje
         assert torch.equal(a, b), name
     with pytest.raises(CheckpointError, match=r"(?s)does not fit.*BertForMaskedLM"):
         consolidate(tag / "checkpoints", tmp_path / "x.safetensors", model=build("bert"))
+
+
+def test_the_readme_example_trains_at_2x2(jobs: dict[str, object]) -> None:
+    code, text = jobs["readme"]  # type: ignore[misc]
+    assert code == 0, text[-4000:]
+    losses = [float(line.rsplit("loss ", 1)[1]) for line in text.splitlines() if ": loss " in line]
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.5
+    run = next(iter(jobs["out"].parent.glob("readme")))  # type: ignore[union-attr]
+    assert list(run.glob("checkpoints/step-00000010"))
