@@ -295,3 +295,32 @@ def test_transformers_models_built_from_a_config(arch: str) -> None:
     assert auto_cut(model) == [f"{container}.varuna_cuts.{i}" for i in range(2)]
     assert model.state_dict().keys() == keys  # pretrained weights load as before
     assert trace_model(model, batch).cut_names == [f"{container}.varuna_cuts.{i}" for i in range(2)]
+
+
+def test_an_encoder_decoder_model_is_refused() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(num_layers=2, num_decoder_layers=2, d_model=16, d_kv=8, d_ff=32, num_heads=2,
+                                   vocab_size=64, decoder_start_token_id=0)  # fmt: skip
+    with pytest.raises(PartitionError, match=r"cannot cut the encoder-decoder T5ForConditionalGeneration: every "
+                       r"decoder block also reads the encoder's output"):  # fmt: skip
+        auto_cut(_LossOf(transformers.T5ForConditionalGeneration(config)))
+
+
+def test_a_block_that_runs_twice_per_forward_is_named() -> None:
+    """ALBERT reuses a layer group's weights for several layers: its CutPoint would fire twice."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.groups = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i in range(4):
+                x = self.groups[i // 2](x)
+            return x.sum()
+
+    model = Shared()
+    auto_cut(model)
+    with pytest.raises(PartitionError, match=r"block 'groups\.0' ran twice in one forward pass .*reuses one "
+                       r"block's weights"):  # fmt: skip
+        trace_model(model, {"x": torch.randn(2, 4)})

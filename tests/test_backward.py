@@ -102,3 +102,33 @@ def test_an_output_independent_of_the_input_does_not_split() -> None:
         is None
     )
     assert all(p.grad is None for p in model.parameters())  # nothing was computed
+
+
+def test_a_weight_shared_by_two_layers_off_the_input_path() -> None:
+    """DeBERTa's relative-position embeddings feed every layer's attention: the two layers' weight
+    halves are one group, whose pass crosses the input path between them (it must not free what the
+    next group needs)."""
+    torch.manual_seed(0)
+    rel = nn.Parameter(torch.randn(4, 8))
+    q1, q2, p1, p2 = (nn.Linear(8, 8) for _ in range(4))
+    params = [rel, *q1.parameters(), *q2.parameters(), *p1.parameters(), *p2.parameters()]
+
+    def stage(x: torch.Tensor) -> torch.Tensor:
+        h = x + (q1(x) @ p1(rel).T) @ p1(rel)
+        return h + (q2(h) @ p2(rel).T) @ p2(rel)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    out = stage(x)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want = [p.grad.clone() for p in params]
+    want_x = x.grad.clone()
+    for p in params:
+        p.grad = None
+    split = input_grads_first([stage(x)], [g], [x], params)
+    assert split is not None
+    found, weights = split
+    torch.testing.assert_close(found[0], want_x)
+    weights.run()
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w)

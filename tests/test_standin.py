@@ -100,3 +100,57 @@ def test_skipped_forward_infers_on_meta_once_per_input_signature() -> None:
     assert (
         block.calls == 2 and out.shape == (1, 5, 16) and isinstance(cache, StandIn) and cache.shape == (1, 5)
     )
+
+
+def test_the_traces_shapes_serve_where_the_meta_device_cannot() -> None:
+    """Routing on data (a mixture of experts) has no meta kernel; the start-up trace saw the real
+    output, and the skipped module returns stand-ins of that; unseen shapes are a PartitionError."""
+
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            picked = (self.fc(x).sum(-1) > 0).nonzero()  # data-dependent
+            return self.fc(x) + picked.shape[0]
+
+    model = nn.Sequential(Router(), nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    with _standin.record_outputs(model) as seen:
+        model(x)
+    assert set(seen) == {"0", "0.fc", "1"}  # every module with parameters, not containers
+    router = model[0].to("meta")
+    skipped = SkippedForward(router, "0", torch.device("cpu"), seen["0"])
+    out = skipped(x)
+    assert isinstance(out, StandIn) and out.shape == (3, 8) and out.origin == "0"
+    with stand_in_context(1, "cuts.0", {}):
+        with pytest.raises(PartitionError, match=r"stage 1 skips module '0' .*the start-up trace saw no call "
+                           r"with these input shapes, and running it on the meta device failed"):  # fmt: skip
+            skipped(torch.randn(5, 8))
+
+
+def test_strip_skips_the_blocks_of_a_list_another_stage_holds_not_the_list() -> None:
+    """A ModuleList is never called (the model loops over it): its blocks must be the skipped ones."""
+    from varuna._stage import strip
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h).sum()
+
+    net = Net()
+    strip(net, {"head.weight", "head.bias"}, torch.device("cpu"))
+    assert isinstance(net.blocks[0].forward, SkippedForward) and isinstance(net.embed.forward, SkippedForward)
+    assert not isinstance(net.blocks.forward, SkippedForward)
+    net.head.requires_grad_(False)  # a stand-in reaching a trained head is an error (tested above)
+    out = net(torch.randn(2, 4))
+    assert isinstance(out, StandIn) and out.origin == "blocks.1"

@@ -94,6 +94,10 @@ class WeightGrads:
         self._params = params  # boundary node -> [(AccumulateGrad node, parameter)] behind it
 
     def run(self) -> None:
+        # A group of several boundary nodes shares a parameter (DeBERTa's relative embeddings feed
+        # every layer): its pass runs the input-path nodes between them, which would free what a
+        # later group still needs; keep the graph until the last group, then let it go.
+        retain = any(len(nodes) > 1 for nodes in self._groups)
         for nodes in self._groups:
             edges: list[GradientEdge] = []
             grads: list[torch.Tensor] = []
@@ -115,7 +119,11 @@ class WeightGrads:
             handles = [n.register_prehook(lambda _, kept=self._kept[n]: kept) for n in nodes]
             try:
                 found = torch.autograd.grad(
-                    edges, [GradientEdge(acc, 0) for acc in targets], grads, allow_unused=True
+                    edges,
+                    [GradientEdge(acc, 0) for acc in targets],
+                    grads,
+                    retain_graph=retain,
+                    allow_unused=True,
                 )
             finally:
                 for h in handles:

@@ -2,9 +2,11 @@
 
 In the order `Varuna.__init__` calls them:
 
-    trace(model, micro)               -> Trace      one forward: the CutPoints and who uses what
+    trace(model, micro, outputs)      -> Trace      one forward: the CutPoints, who uses what, and
+                                                    every module's output shapes
     partition(model, trace, ...)      -> Partition  the stage boundaries (timed on rank 0 if balanced)
-    strip(model, owned)                             other stages' parameters become meta tensors
+    strip(model, owned, device, ...)                other stages' parameters become meta tensors, their
+                                                    modules return stand-ins
     to_device(model, device)                        what is left moves to the rank's device
     owned_parameters(model)           -> [(name, p)]
     make_groups(config, partition, stage)           the data-parallel and tied-weight groups
@@ -24,19 +26,25 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna._files import write_json_atomic
-from varuna._standin import SkippedForward
+from varuna._standin import SkippedForward, record_outputs
 from varuna.config import VarunaConfig
 from varuna.cutpoint import CutPoint
 from varuna.partition import Partition, Trace, canonical_names, make_partition, profile_segments, trace_model
 
 
-def trace(model: nn.Module, micro: dict[str, Any] | None) -> Trace:
-    """The model's trace on `micro`; None (pipeline=1 without an example batch) traces nothing."""
+def trace(model: nn.Module, micro: dict[str, Any] | None, outputs: dict[str, dict[Any, Any]]) -> Trace:
+    """The model's trace on `micro`; None (pipeline=1 without an example batch) traces nothing.
+
+    Fills `outputs` with every module's output shapes per input signature (`record_outputs`), for
+    the modules this stage will skip."""
     if micro is None:
         _, aliases = canonical_names(model)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         return Trace(cut_names=[], param_segments={}, param_aliases=aliases, param_shapes=shapes)
-    return trace_model(model, micro)
+    with record_outputs(model) as seen:
+        traced = trace_model(model, micro)
+    outputs.update(seen)
+    return traced
 
 
 def partition(
@@ -102,11 +110,14 @@ def _segment_costs(
     return [float(c) for c in box[0]]
 
 
-def strip(model: nn.Module, owned: set[str], device: torch.device) -> None:
+def strip(
+    model: nn.Module, owned: set[str], device: torch.device, traced: dict[str, dict[Any, Any]] | None = None
+) -> None:
     """Replace every parameter this stage does not hold by a meta tensor; skip modules left empty.
 
     A skipped module returns stand-ins on `device` with its output's shape and dtype
-    (`varuna._standin`), so the glue code between modules runs on every stage."""
+    (`varuna._standin`), so the glue code between modules runs on every stage; `traced` holds the
+    output shapes the start-up trace saw per module (see `trace`)."""
     canon, _ = canonical_names(model)
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -121,12 +132,15 @@ def strip(model: nn.Module, owned: set[str], device: torch.device) -> None:
 
     def visit(name: str, module: nn.Module) -> None:
         params = list(module.parameters())
-        if params and all(p.is_meta for p in params) and not isinstance(module, CutPoint):
+        # A container (ModuleList, ...) is never called itself: its blocks are what gets skipped.
+        container = isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict))
+        if params and all(p.is_meta for p in params) and not isinstance(module, CutPoint) and not container:
             for sub in module.modules():
                 for bname, b in list(sub._buffers.items()):
                     if b is not None:
                         sub._buffers[bname] = torch.empty_like(b, device="meta")
-            module.forward = SkippedForward(module, name, device)  # type: ignore[method-assign]
+            seen = (traced or {}).get(name)
+            module.forward = SkippedForward(module, name, device, seen)  # type: ignore[method-assign]
             return
         for child_name, child in module.named_children():
             visit(f"{name}.{child_name}", child)

@@ -12,9 +12,11 @@ tensor with the shape, dtype and device of the value it stands for and no data.
        the stage's own input CutPoint  ──> the activation received from the previous stage (real)
 
 How:
-- A skipped module's output is inferred by running its own forward on the meta device (its
-  parameters and buffers are meta already, see `varuna._stage.strip`), once per input signature
-  (shapes, dtypes, plain values); later calls rebuild stand-ins from the cached meta result.
+- A skipped module's output shape is what the engine's start-up trace of the whole model saw for
+  the same input signature (`record_outputs`), or else is inferred by running the module's own
+  forward on the meta device (its parameters and buffers are meta already, see
+  `varuna._stage.strip`); either is cached per input signature (shapes, dtypes, plain values), and
+  later calls rebuild stand-ins from it.
 - Every torch operation touching a stand-in runs on meta (`__torch_dispatch__`); its result is a
   stand-in on the same device. Results are cached per operation and input signature, so a step's
   glue costs a dictionary lookup per operation after the first micro-batch.
@@ -287,31 +289,74 @@ def origin_of(value: Any) -> str | None:
     return None
 
 
+def input_key(value: Any) -> Any:
+    """What a module's output shape may depend on in its inputs: tensor shapes, dtypes and
+    strides, plain values; other objects by their type (a block's output shape does not depend
+    on, say, the contents of a key/value cache)."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.stride())
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(input_key(v) for v in value))
+    if isinstance(value, dict):
+        return (type(value), tuple((k, input_key(v)) for k, v in value.items()))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    return type(value).__qualname__
+
+
+def _as_meta(value: Any) -> Any:
+    return tree_map(lambda t: _to_meta(t) if isinstance(t, torch.Tensor) else t, value)
+
+
+class record_outputs:
+    """While a model runs for real (the engine's start-up trace), note every module's output, as
+    meta tensors, per input signature: the ground truth a `SkippedForward` prefers to inferring.
+
+        with record_outputs(model) as seen:
+            model(**batch)
+        seen["transformer.h.3"]       # {input_key((args, kwargs)): meta output}
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.seen: dict[str, dict[Any, Any]] = {}
+
+    def __enter__(self) -> dict[str, dict[Any, Any]]:
+        containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+        self.handles = [
+            module.register_forward_hook(self._hook(name), with_kwargs=True)
+            for name, module in self.model.named_modules()
+            if name and not isinstance(module, containers) and next(module.parameters(), None) is not None
+        ]
+        return self.seen
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            self.seen.setdefault(name, {})[input_key((tuple(args), dict(kwargs)))] = _as_meta(output)
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class SkippedForward:
     """The forward of a module another stage holds: stand-ins with its output's shape and dtype.
 
-    Infers the output by running the module's own forward on meta (its parameters and buffers
-    are meta on this stage) and caches it per input signature. Inputs that cannot be described
-    (objects other than tensors, numbers, strings and containers of them) are described by their
-    type: a block's output shape does not depend on, say, the contents of a key/value cache.
+    The output's shape comes from the engine's start-up trace (`record_outputs`) where it saw the
+    same input signature, else from running the module's own forward on meta (its parameters and
+    buffers are meta on this stage); either is cached per input signature (`input_key`). A module
+    that neither can describe (routing on data, device-specific kernels) is a `PartitionError`.
     """
 
-    def __init__(self, module: nn.Module, name: str, device: torch.device) -> None:
+    def __init__(
+        self, module: nn.Module, name: str, device: torch.device, traced: dict[Any, Any] | None = None
+    ) -> None:
         self.forward: Callable[..., Any] = type(module).forward.__get__(module)
         self.name = name
         self.device = device
-        self.cache: dict[Any, Any] = {}
-
-    def _key(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return (value.shape, value.dtype, value.stride())
-        if isinstance(value, (tuple, list)):
-            return (type(value), tuple(self._key(v) for v in value))
-        if isinstance(value, dict):
-            return (type(value), tuple((k, self._key(v)) for k, v in value.items()))
-        if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
-            return value
-        return type(value).__qualname__
+        self.cache: dict[Any, Any] = dict(traced or {})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not timer.enabled:
@@ -320,12 +365,22 @@ class SkippedForward:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = self._key((args, kwargs))
+        key = input_key((args, kwargs))
         meta_out = self.cache.get(key)
         if meta_out is None:
             margs, mkwargs = tree_map(_to_meta, (args, kwargs))
-            with torch.no_grad():
-                meta_out = self.forward(*margs, **mkwargs)
+            try:
+                with torch.no_grad():
+                    meta_out = self.forward(*margs, **mkwargs)
+            except Exception as exc:
+                stage = "this stage" if _context.stage is None else f"stage {_context.stage}"
+                raise PartitionError(
+                    f"{stage} skips module {self.name!r} (another stage holds it) but needs the shape of its "
+                    f"output: the start-up trace saw no call with these input shapes, and running it on the "
+                    f"meta device failed ({type(exc).__name__}: {exc}). Give example_batch= a batch shaped "
+                    "like the training batches, or choose boundaries (partition=[...]) that keep this "
+                    "module's callers on the stage that holds it"
+                ) from exc
             self.cache[key] = meta_out
         return tree_map(
             lambda t: StandIn(t, self.device, self.name) if isinstance(t, torch.Tensor) else t, meta_out

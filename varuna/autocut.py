@@ -150,6 +150,21 @@ def auto_cut(model: nn.Module, *, blocks: Sequence[str] | None = None) -> list[s
             f"auto_cut: the model already has CutPoints ({existing[:4]}{' ...' if len(existing) > 4 else ''}); "
             "use it as it is, or build it without CutPoints before calling auto_cut"
         )
+    coupled = next(
+        (
+            m
+            for m in model.modules()
+            if getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True
+        ),
+        None,
+    )
+    if coupled is not None:
+        raise PartitionError(
+            f"auto_cut cannot cut the encoder-decoder {type(coupled).__name__}: every decoder block also reads "
+            "the encoder's output (cross-attention), and only a block's hidden states cross an auto_cut "
+            "boundary. Put varuna.CutPoint() calls in the model by hand, passing (hidden_states, "
+            "encoder_hidden_states) through each, or pipeline a decoder-only or encoder-only model."
+        )
     if blocks is None:
         container, names = find_blocks(model)
     else:
@@ -173,5 +188,6 @@ def auto_cut(model: nn.Module, *, blocks: Sequence[str] | None = None) -> list[s
     prefix = f"{path}.{attribute}" if path else attribute
     for block_name, cut in zip(names, cuts):
         assert isinstance(cut, CutPoint)
+        cut.block = block_name
         model.get_submodule(block_name).register_forward_hook(_CutHook(cut, block_name))
     return [f"{prefix}.{i}" for i in range(len(cuts))]

@@ -70,6 +70,11 @@ class CutPoint(nn.Module):
     CutPoint: every stage receives the batch and recomputes them.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.block: str | None = None
+        """The block after which `auto_cut` placed this CutPoint (None: placed by hand)."""
+
     def forward(self, value: Any) -> Any:
         handler = _current_handler()
         if handler is None:

@@ -161,12 +161,13 @@ class Varuna:
         self.model = model
 
         micro = None if cfg.pipeline == 1 and example_batch is None else self._example(example_batch)
-        self.trace = _stage.trace(model, micro)
+        traced: dict[str, dict[Any, Any]] = {}  # module -> output shapes seen, for skipped modules
+        self.trace = _stage.trace(model, micro, traced)
         self.partition = _stage.partition(
             model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast
         )
         owned = set(self.partition.stage_params[self.stage])
-        _stage.strip(model, owned, self.device)
+        _stage.strip(model, owned, self.device, traced)
         _stage.to_device(model, self.device)
         self._params = _stage.owned_parameters(model)
         self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage)

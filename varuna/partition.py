@@ -149,6 +149,14 @@ class _TraceCuts:
     def on_cut(self, cut: CutPoint, value: Any) -> Any:
         name = self.names.get(id(cut), "<a CutPoint not registered in the model>")
         if name in self.order:
+            block = cut.block
+            if block is not None:
+                raise PartitionError(
+                    f"block {block!r} ran twice in one forward pass (its CutPoint {name!r} was called twice): "
+                    "the model reuses one block's weights for several layers (as ALBERT shares its layer "
+                    "groups), so auto_cut cannot put a stage boundary after it. Put varuna.CutPoint() calls "
+                    "in the loop that runs the layers instead, one instance per call."
+                )
             raise PartitionError(
                 f"CutPoint {name!r} was called twice in one forward pass (calls so far: {self.order + [name]}); "
                 "each candidate boundary needs its own CutPoint instance, called exactly once — "

@@ -19,6 +19,7 @@ MICRO_BATCH = 2
 SEQ = 16
 VOCAB = 96
 MODELS = ("gpt2", "bert", "llama")
+MORE_MODELS = ("deberta", "mixtral")  # trained at 2x1 only
 
 
 def build(kind: str, *, dropout: float = 0.0, seed: int = 1234) -> nn.Module:
@@ -39,6 +40,21 @@ def build(kind: str, *, dropout: float = 0.0, seed: int = 1234) -> nn.Module:
             **small,
         )  # fmt: skip
         model = transformers.BertForMaskedLM(config)
+    elif kind == "deberta":  # relative-position embeddings shared by every layer, off the input path
+        config = transformers.DebertaV2Config(
+            num_hidden_layers=4, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=SEQ, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+            relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=SEQ,
+            **small,
+        )  # fmt: skip
+        model = transformers.DebertaV2ForMaskedLM(config)
+    elif kind == "mixtral":  # mixture of experts: routing that the meta device cannot run
+        config = transformers.MixtralConfig(
+            num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=SEQ, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, attention_dropout=dropout, **small,
+        )  # fmt: skip
+        model = transformers.MixtralForCausalLM(config)
     elif kind == "llama":
         config = transformers.LlamaConfig(
             num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -67,7 +83,7 @@ class Data:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = self.ids[i]
-        if self.kind != "bert":
+        if self.kind not in ("bert", "deberta"):
             return {"input_ids": ids, "labels": ids}
         mask = (torch.arange(SEQ) < self.lengths[i]).long()
         labels = torch.full((SEQ,), -100)

@@ -21,6 +21,7 @@ from hf_common import (  # noqa: E402
     GLOBAL_BATCH,
     MICRO_BATCH,
     MODELS,
+    MORE_MODELS,
     STEPS,
     Data,
     build,
@@ -70,6 +71,8 @@ for P, D in CONFIGS[world]:
         train(f"{kind}-{P}x{D}", build(kind), kind, P, D, schedule_for(kind, (P, D)))
 
 if world == 2:
+    for kind in MORE_MODELS:
+        train(f"{kind}-2x1", build(kind), kind, 2, 1, "1f1b")
     for schedule in ("1f1b", "varuna"):
         train(f"dropout-{schedule}", build("gpt2", dropout=0.1), "gpt2", 2, 1, schedule, seed=99)
     import transformers
