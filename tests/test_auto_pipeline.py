@@ -1,7 +1,7 @@
 """The planner in use: `Varuna(..., pipeline="auto")` and `varuna resize --gpus N`.
 
-Pure tests of `varuna._auto` on synthetic tables, one-process engine errors, the shape a resize to
-N devices asks for (`varuna.morph.shape_for_gpus`, the CLI, `JobController.shape_for`), then real
+Pure tests of `varuna.planner.auto` on synthetic tables, one-process engine errors, the shape a resize to
+N devices asks for (`varuna.elastic.protocol.shape_for_gpus`, the CLI, `JobController.shape_for`), then real
 2-rank jobs of a tiny GPT (`tests/scripts/auto_train.py`): the first profiles and plans, the second
 reuses the cached profile with what the user fixed, a third asks for memory nothing fits in.
 """
@@ -19,15 +19,16 @@ import torch
 from test_plan import uniform_table
 
 from varuna import Varuna
-from varuna._auto import Fixed, describe, plan_for, profile_sizes
 from varuna.cli import main
 from varuna.controller import JobController
-from varuna.costs import CostTable, model_signature
 from varuna.data import SyntheticLM, collate
+from varuna.elastic.protocol import Shape, take_resize
+from varuna.elastic.reshape import choose_shape, shape_for_gpus
 from varuna.errors import ConfigError
 from varuna.models import GPT, gpt_tiny
-from varuna.morph import Shape, choose_shape, shape_for_gpus, take_resize
-from varuna.plan import PlanError
+from varuna.planner.auto import Fixed, describe, plan_for, profile_sizes
+from varuna.planner.costs import CostTable, model_signature
+from varuna.planner.search import PlanError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "auto_train.py"

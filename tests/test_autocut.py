@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from varuna import auto_cut
-from varuna.autocut import find_blocks
-from varuna.cutpoint import CutPoint, _handling
+from varuna.cut.autocut import find_blocks
+from varuna.cut.cutpoint import CutPoint, _handling
+from varuna.cut.partition import make_partition, trace_model
 from varuna.errors import PartitionError
 from varuna.models import GPT, gpt_tiny
-from varuna.partition import make_partition, trace_model
 
 
 def _uncut_gpt() -> GPT:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from varuna._backward import input_grads_first
+from varuna.engine.backward import input_grads_first
 
 
 class _Stage(nn.Module):

@@ -100,7 +100,7 @@ def test_quickstart_in_the_browser(request: pytest.FixtureRequest) -> None:
     import os
     import signal
 
-    from varuna.morph import live_workers
+    from varuna.elastic.protocol import live_workers
 
     failed = browser.test_failed(request)
     with browser.lab_session(

@@ -1,4 +1,4 @@
-"""The runtime's cost per action (`varuna._calibrate`): the fit and the host's core sharing.
+"""The runtime's cost per action (`varuna.profile.calibrate`): the fit and the host's core sharing.
 
 The collective part, a real spin pipeline on every rank, runs in `test_profile`'s two-rank
 `varuna profile` job, which checks that it leaves the run directory alone.
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from varuna._calibrate import _core_sharing, _solve, _SpinModel
+from varuna.profile.calibrate import _core_sharing, _solve, _SpinModel
 
 
 def test_solve_finds_the_overhead_that_closes_the_gap() -> None:
@@ -79,15 +79,16 @@ def test_the_calibration_pipeline_runs_the_real_engine_and_leaves_the_process_as
 
     import torch
 
-    from varuna._calibrate import _measure
-    from varuna.distributed import init_distributed
+    from varuna import Varuna
+    from varuna.comm.rendezvous import init_distributed
+    from varuna.profile.calibrate import _measure
 
     init_distributed()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VARUNA_TELEMETRY", "1")
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    step = _measure(1, 3, 0.002, 0.004, 16, steps=2, warmup=1)
+    step = _measure(Varuna, 1, 3, 0.002, 0.004, 16, steps=2, warmup=1)
     assert 3 * 0.006 <= step < 1.0  # 3 micro-batches of a 2 ms forward and a 4 ms backward
     assert torch.equal(torch.get_rng_state(), state)
     assert os.environ["VARUNA_TELEMETRY"] == "1" and list(tmp_path.iterdir()) == []

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from varuna import Varuna
-from varuna import checkpoint as ckpt
+from varuna.checkpoint import layout as ckpt
 from varuna.data import SyntheticLM, collate
 from varuna.errors import CheckpointError
 from varuna.models import GPT, GPTConfig, gpt_tiny
@@ -142,7 +142,7 @@ def test_other_global_batch_is_refused_unless_allowed(saved: Path) -> None:
 
 KILLER = """
 import os, signal, sys, torch
-import varuna._checkpoint_io as cio
+import varuna.checkpoint.storage as cio
 from varuna import Varuna
 from varuna.data import SyntheticLM, collate
 from varuna.models import GPT, gpt_tiny
@@ -241,7 +241,7 @@ def test_loads_into_tensors_of_another_dtype_or_layout(saved: Path) -> None:
 
 
 def test_only_tensors_are_saved(tmp_path: Path) -> None:
-    from varuna.distributed import init_distributed
+    from varuna.comm.rendezvous import init_distributed
 
     rank, _ = init_distributed()
     with pytest.raises(CheckpointError, match=r"checkpoint entry 'answer' is not a tensor"):

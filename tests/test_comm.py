@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from varuna.comm import P2P, decode_header, encode_header
+from varuna.comm.p2p import P2P, decode_header, encode_header
 from varuna.errors import PartitionError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def test_an_ordered_transport_posts_receives_in_the_order_of_the_sends(
     """NCCL ignores tags: posting every micro-batch's header at the start of a step and the data
     after the header would pair the first data with the second header. Ordered, P2P posts one
     micro-batch ahead and still uses the early receives (10 of 15, as over gloo)."""
-    import varuna.comm as comm
+    import varuna.comm.p2p as comm
 
     wire = _OrderedWire()
     monkeypatch.setattr(comm.dist, "isend", wire.isend)

@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import varuna
-from varuna import _checkpoint_io as cio
 from varuna import cli
+from varuna.checkpoint import storage as cio
 from varuna.errors import CheckpointError
 from varuna.models import GPT, GPTConfig
 

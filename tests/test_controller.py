@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from varuna import _events
 from varuna.controller import JobController
 from varuna.errors import ConfigError, LaunchError
+from varuna.telemetry import events as _events
 
 pytestmark = pytest.mark.multirank
 SCRIPT = str(Path(__file__).parent / "scripts" / "controller_train.py")
@@ -56,7 +56,7 @@ def test_unsigned_and_badly_signed_events_are_dropped(tmp_path: Path) -> None:
 
 
 def test_a_controller_binds_the_addresses_of_one_closed_a_moment_ago(tmp_path: Path) -> None:
-    from varuna._channel import _bind_again
+    from varuna.telemetry.channel import _bind_again
 
     first = JobController(tmp_path)
     first._bind()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from varuna.costs import CostTable, NetworkCost, SegmentCost, model_signature
 from varuna.errors import ConfigError
+from varuna.planner.costs import CostTable, NetworkCost, SegmentCost, model_signature
 
 
 def segment(**overrides: object) -> SegmentCost:

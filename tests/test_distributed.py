@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from varuna.distributed import LaunchEnv, env_rank, launch_env, placement
+from varuna.comm.rendezvous import LaunchEnv, env_rank, launch_env, placement
 from varuna.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,8 +77,8 @@ def test_init_distributed_single_process_without_mpi() -> None:
         import sys
         import torch
         import torch.distributed as dist
-        import varuna.distributed as vd
-        assert "mpi4py" not in sys.modules, "importing varuna.distributed loaded mpi4py"
+        import varuna.comm.rendezvous as vd
+        assert "mpi4py" not in sys.modules, "importing varuna.comm.rendezvous loaded mpi4py"
         assert vd.init_distributed(timeout_s=30) == (0, 1)
         assert vd.init_distributed() == (0, 1)  # idempotent
         assert dist.get_backend() == "gloo"

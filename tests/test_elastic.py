@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from varuna.elastic import hostfile_slots, next_shape
-from varuna.morph import Shape, request_resize
+from varuna.elastic.protocol import Shape, request_resize
+from varuna.elastic.supervisor import hostfile_slots, next_shape
 
 
 def _run_dir(tmp_path: Path) -> Path:

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from varuna import cli, launch
+from varuna import cli
 from varuna.errors import ConfigError, LaunchError
-from varuna.launch import Job, mpiexec_command, summarise
-from varuna.worker import LineTee
+from varuna.launch import job as launch
+from varuna.launch.job import Job, mpiexec_command, summarise
+from varuna.launch.worker import LineTee
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -50,7 +51,7 @@ def _processes_with(marker: str) -> list[str]:
 
 def test_mpiexec_command_mpich(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
-    cmd = mpiexec_command(4, ["python", "-m", "varuna.worker", "t.py"], hostfile=hosts, env={"A": "1"})
+    cmd = mpiexec_command(4, ["python", "-m", "varuna.launch.worker", "t.py"], hostfile=hosts, env={"A": "1"})
     assert Path(cmd[0]).name == "mpiexec"
     assert cmd[1:] == [
         "-n",
@@ -62,7 +63,7 @@ def test_mpiexec_command_mpich(tmp_path: Path) -> None:
         "1",
         "python",
         "-m",
-        "varuna.worker",
+        "varuna.launch.worker",
         "t.py",
     ]
 

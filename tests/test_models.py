@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from varuna._standin import StandIn, origin_of, stand_in_context
-from varuna.cutpoint import CutPoint, _handling
+from varuna.cut.cutpoint import CutPoint, _handling
+from varuna.cut.partition import trace_model
+from varuna.cut.standin import StandIn, origin_of, stand_in_context
 from varuna.errors import ConfigError, PartitionError
 from varuna.models import (
     GPT,
@@ -23,7 +24,6 @@ from varuna.models import (
     gpt_demo,
     gpt_tiny,
 )
-from varuna.partition import trace_model
 
 torch.set_num_threads(1)
 

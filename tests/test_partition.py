@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from varuna import CutPoint
+from varuna.cut.partition import balance, make_partition, profile_segments, trace_model
 from varuna.data import SyntheticLM, collate
 from varuna.errors import ConfigError, PartitionError
 from varuna.models import GPT, gpt_tiny
-from varuna.partition import balance, make_partition, profile_segments, trace_model
 
 
 def gpt_and_batch() -> tuple[GPT, dict[str, torch.Tensor]]:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from varuna.cli import main
-from varuna.costs import CostTable, NetworkCost, SegmentCost
-from varuna.plan import Candidate, PlanError, PlanResult, format_bytes, parse_memory, plan, predict
-from varuna.simulate import StageCost, simulate
+from varuna.planner.costs import CostTable, NetworkCost, SegmentCost
+from varuna.planner.search import Candidate, PlanError, PlanResult, format_bytes, parse_memory, plan, predict
+from varuna.planner.simulator import StageCost, simulate
 
 GiB = 2**30
 

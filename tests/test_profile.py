@@ -20,14 +20,20 @@ from torch import nn
 
 import varuna
 from varuna import cli
-from varuna._profile_main import _capture, launch_profile, parse_sizes
-from varuna.autocut import auto_cut
-from varuna.costs import CostTable, NetworkCost
-from varuna.cutpoint import CutPoint
-from varuna.distributed import init_distributed
+from varuna.comm.rendezvous import init_distributed
+from varuna.cut.autocut import auto_cut
+from varuna.cut.cutpoint import CutPoint
 from varuna.errors import ConfigError
 from varuna.models import GPT, count_parameters, gpt_tiny
-from varuna.profile import cached_profile, model_signature, profile_model, profile_network, profile_table
+from varuna.planner.costs import CostTable, NetworkCost
+from varuna.profile.job import _capture, launch_profile, parse_sizes
+from varuna.profile.measure import (
+    cached_profile,
+    model_signature,
+    profile_model,
+    profile_network,
+    profile_table,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "tests" / "scripts" / "profile_gpt.py")
@@ -228,7 +234,7 @@ def test_varuna_profile_two_ranks(tmp_path: Path) -> None:
 
 
 def test_slowdown_is_never_below_time_sharing_on_one_host() -> None:
-    from varuna._slowdown import _at_least_time_sharing
+    from varuna.profile.slowdown import _at_least_time_sharing
 
     measured = {1: 1.0, 2: 1.05, 3: 1.42, 4: 1.9}
     one_host = [("a", 2)] * 4

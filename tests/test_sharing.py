@@ -1,12 +1,12 @@
-"""Ranks sharing a host's cores (`varuna.sharing`): the tables, and what they do to a simulated step."""
+"""Ranks sharing a host's cores (`varuna.planner.sharing`): the tables, and what they do to a simulated step."""
 
 from __future__ import annotations
 
 import pytest
 
 from varuna.errors import ScheduleError
-from varuna.sharing import Sharing
-from varuna.simulate import Span, StageCost, simulate
+from varuna.planner.sharing import Sharing
+from varuna.planner.simulator import Span, StageCost, simulate
 
 U = StageCost(forward_s=1.0, backward_s=2.0)
 

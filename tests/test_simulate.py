@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from varuna.errors import ScheduleError
-from varuna.simulate import Sharing, Span, StageCost, simulate
+from varuna.planner.simulator import Sharing, Span, StageCost, simulate
 
 U = StageCost(forward_s=1.0, backward_s=2.0)
 

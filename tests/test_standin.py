@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from varuna import _standin
-from varuna._standin import SkippedForward, StandIn, contains_stand_in, origin_of, stand_in_context
+from varuna.cut import standin as _standin
+from varuna.cut.standin import SkippedForward, StandIn, contains_stand_in, origin_of, stand_in_context
 from varuna.errors import PartitionError
 
 
@@ -132,7 +132,7 @@ def test_the_traces_shapes_serve_where_the_meta_device_cannot() -> None:
 
 def test_strip_skips_the_blocks_of_a_list_another_stage_holds_not_the_list() -> None:
     """A ModuleList is never called (the model loops over it): its blocks must be the skipped ones."""
-    from varuna._stage import strip
+    from varuna.engine.stage import strip
 
     class Net(nn.Module):
         def __init__(self) -> None:

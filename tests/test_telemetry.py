@@ -14,9 +14,10 @@ import pytest
 import torch
 import zmq
 
-from varuna import Varuna, _events
+from varuna import Varuna
 from varuna.data import SyntheticLM
 from varuna.models import GPT, gpt_tiny
+from varuna.telemetry import events as _events
 
 KEY = bytes.fromhex(_events.new_key())
 

@@ -17,10 +17,10 @@ from varuna_widgets import Workbench, figures  # noqa: E402
 from varuna_widgets.bench import measure_refresh_hz, synthetic_step_events  # noqa: E402
 from varuna_widgets.plot import PlotView  # noqa: E402
 
-from varuna._store import StageMemory, StepMetrics  # noqa: E402
 from varuna.controller import JobController  # noqa: E402
 from varuna.errors import ConfigError  # noqa: E402
-from varuna.simulate import StageCost, simulate  # noqa: E402
+from varuna.planner.simulator import StageCost, simulate  # noqa: E402
+from varuna.telemetry.store import StageMemory, StepMetrics  # noqa: E402
 
 
 def fed(

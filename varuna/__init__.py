@@ -30,11 +30,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 _WHERE = {
-    "CutPoint": "varuna.cutpoint",
-    "Varuna": "varuna.engine",
+    "CutPoint": "varuna.cut.cutpoint",
+    "Varuna": "varuna.auto",
     "make_schedule": "varuna.schedule",
-    "auto_cut": "varuna.autocut",
-    "consolidate": "varuna.consolidation",
+    "auto_cut": "varuna.cut.autocut",
+    "consolidate": "varuna.checkpoint.consolidation",
     **{
         name: "varuna.errors"
         for name in (
@@ -50,10 +50,10 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from varuna import data
-    from varuna.autocut import auto_cut
-    from varuna.consolidation import consolidate
-    from varuna.cutpoint import CutPoint
-    from varuna.engine import Varuna
+    from varuna.auto import Varuna
+    from varuna.checkpoint.consolidation import consolidate
+    from varuna.cut.autocut import auto_cut
+    from varuna.cut.cutpoint import CutPoint
     from varuna.errors import (
         CheckpointError,
         ConfigError,
@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name == "data":
         return importlib.import_module("varuna.data")
+    if name == "simulate":  # the simulator's module, by the path it had before varuna.planner existed
+        return importlib.import_module("varuna.planner.simulator")
     if name in _WHERE:
         value = getattr(importlib.import_module(_WHERE[name]), name)
         globals()[name] = value

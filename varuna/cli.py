@@ -94,7 +94,7 @@ def _add_consolidate_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
 def _consolidate(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from varuna.consolidation import consolidate, find_checkpoint
+    from varuna.checkpoint.consolidation import consolidate, find_checkpoint
 
     source = find_checkpoint(args.checkpoint)
     out = consolidate(source, args.out)
@@ -124,8 +124,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from varuna.costs import CostTable
-    from varuna.plan import plan
+    from varuna.planner.costs import CostTable
+    from varuna.planner.search import plan
 
     result = plan(
         CostTable.load(args.profile),
@@ -158,7 +158,7 @@ def _add_profile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from varuna._profile_main import launch_profile, parse_sizes
+    from varuna.profile.job import launch_profile, parse_sizes
 
     return launch_profile(
         ["-m", args.module, *args.target] if args.module else list(args.target),
@@ -177,7 +177,8 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def _resize(args: argparse.Namespace) -> int:
-    from varuna.morph import request_resize, shape_for_gpus
+    from varuna.elastic.protocol import request_resize
+    from varuna.elastic.reshape import shape_for_gpus
 
     how = ""
     if args.gpus is not None:
@@ -215,7 +216,7 @@ def _split_target(argv: list[str], run: argparse.ArgumentParser) -> tuple[list[s
 
 
 def _run(args: argparse.Namespace) -> int:
-    from varuna.launch import run_job
+    from varuna.launch.job import run_job
 
     if args.module is not None:
         script_argv = ["-m", args.module, *args.target]
@@ -224,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         raise ConfigError(f"nothing to run: give a script or -m MODULE ({EXAMPLE})")
     if args.elastic:
-        from varuna.elastic import run_elastic
+        from varuna.elastic.supervisor import run_elastic
 
         return run_elastic(
             script_argv,

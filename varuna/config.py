@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Literal
 
 from varuna.errors import ConfigError
-from varuna.precision import PRECISIONS
 from varuna.schedule import SCHEDULES
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+"""The precisions an engine trains in (`varuna.engine.precision` applies them)."""
 
 __all__ = ["VarunaConfig"]
 
@@ -96,7 +98,9 @@ class VarunaConfig:
         if self.checkpoint_keep < 1:
             raise ConfigError(f"checkpoint_keep must be at least 1, got {self.checkpoint_keep}")
         if self.memory_limit is not None:
-            from varuna.plan import parse_memory  # raises PlanError (a ConfigError) naming the format
+            from varuna.planner.search import (
+                parse_memory,
+            )  # raises PlanError (a ConfigError) naming the format
 
             parse_memory(self.memory_limit)
         if self.on_stop not in ("exit", "flag"):

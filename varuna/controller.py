@@ -1,6 +1,6 @@
 """`JobController`: start, watch and steer a job from a Python process that is never an MPI rank.
 
-    ctl = JobController.start(["train.py"], pipeline=2, data=2)     # launches via varuna.launch.Job
+    ctl = JobController.start(["train.py"], pipeline=2, data=2)     # launches via varuna.launch.job.Job
     ctl.state                       # starting, running, checkpointing, morphing, stopped, failed, finished
     ctl.timeline(); ctl.step_metrics(); ctl.memory(); ctl.ranks()    # plain data for the widgets
     ctl.checkpoint()                # every rank checkpoints at the end of the same step
@@ -9,7 +9,7 @@
     JobController.attach("runs/x")  # after a kernel restart: replay the log, reconnect if it runs
 
 Workers PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for
-commands (both bound to loopback unless `interface=` says otherwise; see varuna._events). A
+commands (both bound to loopback unless `interface=` says otherwise; see varuna.telemetry.events). A
 supervisor thread runs `Job.start()`/`Job.wait()` and, after a morph exit (75) that it did not
 ask for as a stop, relaunches in the queued shape, as `varuna run --elastic` does. No Jupyter here.
 """
@@ -27,14 +27,20 @@ from typing import Any, Literal
 
 import zmq
 
-from varuna import _events
-from varuna._channel import Channel
-from varuna._launches import ConsoleTail, DeadRank, Launch, post_mortem
-from varuna._store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
-from varuna.elastic import USER_STOP, hostfile_slots, next_shape
+from varuna.elastic.protocol import (
+    MORPH_EXIT,
+    Shape,
+    live_workers,
+    request_resize,
+)
+from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
+from varuna.elastic.supervisor import USER_STOP, hostfile_slots, next_shape
 from varuna.errors import ConfigError, LaunchError
-from varuna.launch import Job
-from varuna.morph import MORPH_EXIT, Shape, ShapeChoice, live_workers, request_resize, shape_for_gpus
+from varuna.launch.job import Job
+from varuna.launch.launches import ConsoleTail, DeadRank, Launch, post_mortem
+from varuna.telemetry import events as _events
+from varuna.telemetry.channel import Channel
+from varuna.telemetry.store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
 
 __all__ = ["JobController", "JobState", "DeadRank"]
 
@@ -116,7 +122,7 @@ class JobController:
         grace_s: float = 10.0,
         resume: str | None = None,
     ) -> JobController:
-        """Launch `script_argv` at `pipeline` x `data` through `varuna.launch.Job`; return at once."""
+        """Launch `script_argv` at `pipeline` x `data` through `varuna.launch.job.Job`; return at once."""
         run_dir = (
             Path(run_dir) if run_dir is not None else Path.cwd() / "runs" / time.strftime("%Y%m%d-%H%M%S")
         )
@@ -369,7 +375,7 @@ class JobController:
 
     def shape_for(self, gpus: int) -> ShapeChoice:
         """The P x D `resize(gpus=N)` would ask for, and how it was chosen: the planner when the run
-        directory has a profile, else the keep-the-depth rule (`varuna.morph.shape_for_gpus`)."""
+        directory has a profile, else the keep-the-depth rule (`varuna.elastic.reshape.shape_for_gpus`)."""
         return shape_for_gpus(self.run_dir, gpus)
 
     def resume(

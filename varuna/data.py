@@ -13,9 +13,9 @@ exactly the samples the D=4 job would have, and the plain single-process referen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -354,3 +354,25 @@ class SyntheticMLM(Dataset[dict[str, Tensor]]):
             "token_type_ids": token_type_ids,
             "labels": labels,
         }
+
+
+def slice_batch(
+    batch: Mapping[str, Any], start: int, stop: int, device: torch.device | None = None
+) -> dict[str, Any]:
+    """Rows `start:stop` of every tensor in `batch` (other values as they are), moved to `device`."""
+    return {
+        k: (v[start:stop] if device is None else v[start:stop].to(device, non_blocking=True))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in batch.items()
+    }
+
+
+def batch_len(batch: Mapping[str, Any]) -> int:
+    """The batch dimension shared by `batch`'s tensors; ConfigError if there is none or they disagree."""
+    lengths = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not lengths:
+        raise ConfigError("a batch must be a dict holding at least one tensor with a batch dimension")
+    if len(set(lengths.values())) > 1:
+        raise ConfigError(f"the batch's tensors disagree on the batch dimension: {lengths}")
+    return next(iter(lengths.values()))

@@ -27,6 +27,10 @@ class PartitionError(VarunaError, ValueError):
     """The model cannot be cut into the requested stages (CutPoints missing, reused, empty stages)."""
 
 
+class PlanError(ConfigError):
+    """The planner cannot answer: bad resources, a profile of another model, nothing fits."""
+
+
 class ScheduleError(VarunaError, ValueError):
     """A schedule's action lists break an invariant; the message prints the stage x step grid."""
 

@@ -7,7 +7,7 @@ They follow the contract the engine relies on:
 - values computed from the batch alone (position ids, BERT's extended attention mask) are computed at
   the top of `forward` and never pass through a CutPoint, so every stage can recompute them;
 - on a rank that does not compute a part of the model its activations are stand-ins (shape, dtype and
-  device, no data; `varuna._standin`), so the glue between modules may read shapes but not values.
+  device, no data; `varuna.cut.standin`), so the glue between modules may read shapes but not values.
 
     cfg = gpt_tiny()
     model = GPT(cfg)
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from varuna.cutpoint import CutPoint
+from varuna.cut.cutpoint import CutPoint
 from varuna.errors import ConfigError
 
 __all__ = [

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from varuna.comm import P2P
+from varuna.comm.p2p import P2P
 
 
 def _poll(ready, timeout_s: float = 10.0) -> float | None:  # type: ignore[no-untyped-def]

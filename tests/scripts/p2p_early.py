@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from varuna.comm import P2P
+from varuna.comm.p2p import P2P
 
 STEPS, MICRO = 5, 3
 

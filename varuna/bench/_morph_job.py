@@ -22,7 +22,7 @@ from varuna.bench import bench_env, log
 from varuna.errors import LaunchError
 
 if TYPE_CHECKING:
-    from varuna.bench.morph import MorphBench
+    from varuna.bench._morph_config import MorphBench
 
 _ROOT = Path(__file__).resolve().parents[2]
 _WORKER = "varuna.bench._morph_worker"

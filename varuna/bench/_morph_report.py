@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from varuna.errors import LaunchError
 
 if TYPE_CHECKING:
+    from varuna.bench._morph_config import MorphBench
     from varuna.bench._morph_job import _Lines
-    from varuna.bench.morph import MorphBench
 
 MB = 1e6
 
@@ -41,7 +41,7 @@ DEFINITIONS = {
     "write_fraction_of_plain_warm": "write_mb_s / plain_write_warm_mb_s",
     "relaunch_s": "from the old job's last event (rank 0's engine.step() raising SystemExit 75, "
     "after its checkpoint) to the relaunched rank 0's module start (time.time() at import of the "
-    "worker module: after Python started, varuna.worker imported torch and the ranks met)",
+    "worker module: after Python started, varuna.launch.worker imported torch and the ranks met)",
     "load_s": "engine.resume_info['seconds'] on the relaunched rank 0: resolve, verify the manifest "
     "(presence and size of every file, CRC-32 of .metadata and extra.pt), read extra.pt and the "
     "metadata, DCP load (each rank reads its tensors' bytes into them; every extent read is "
@@ -50,7 +50,7 @@ DEFINITIONS = {
     "(engine.step() returned on rank 0)",
     "timeline_s": "each event's time since t = 0 (rank 0's events; supervisor lines as they arrive)",
     "breakdown_s": "consecutive differences of the timeline; they add up to request_to_resumed_step_s",
-    "checkpoint_phases_s": "rank 0's wall seconds inside the calls varuna.checkpoint.save makes while "
+    "checkpoint_phases_s": "rank 0's wall seconds inside the calls varuna.checkpoint.layout.save makes while "
     "checkpointing: dcp.save (writing every byte, checksumming it, fsync), crc32 (every CRC-32 "
     "computation: of the tensors' bytes in memory inside dcp.save, of .metadata and extra.pt after "
     "it), fsync (every os.fsync, those inside dcp.save too), collectives (barrier, "
@@ -116,8 +116,8 @@ def _analyse(
         "supervisor_morph_line": "old job teardown (MPI finalize, mpiexec exit, supervisor)",
         "new_job_launched": "supervisor to the new mpiexec",
         "new_process_started": "mpiexec starting the ranks",
-        "new_module_started": "Python start, import torch, rendezvous (varuna.worker)",
-        "new_imports_done": "import varuna.engine (torch.distributed.checkpoint), .data, .models",
+        "new_module_started": "Python start, import torch, rendezvous (varuna.launch.worker)",
+        "new_imports_done": "import varuna.engine.engine (torch.distributed.checkpoint), .data, .models",
         "new_model_built": "model construction (GPT init)",
         "new_engine_built": "Varuna(...): trace, partition, groups, broadcast, resume",
         "new_optimizer_set": "AdamW(...) (first one imports torch._dynamo) + set_optimizer",

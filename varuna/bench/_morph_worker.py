@@ -8,17 +8,17 @@ launch trains `steps_after` more steps and ends. Rank 0 appends one JSON line pe
 RUN/bench-events.jsonl, each with `t` (time.time()), the launch number and the shape:
 
     process_start   when the OS started this process (from /proc: before Python and torch load)
-    module_start    when this module was imported (after varuna.worker imported torch and met
+    module_start    when this module was imported (after varuna.launch.worker imported torch and met
                     the other ranks)
-    imported        varuna.engine, .data and .models imported (torch.distributed.checkpoint with them)
+    imported        varuna.engine.engine, .data and .models imported (torch.distributed.checkpoint with them)
     model_built     the GPT constructed (and initialised) on this rank
     engine_built    `Varuna(...)` returned; `resume_info` is the engine's own load record, and
-                    `phases` the resume's seconds in varuna.checkpoint's I/O calls
+                    `phases` the resume's seconds in varuna.checkpoint.layout's I/O calls
     optimizer_set   AdamW built (the first one imports torch._dynamo) and `set_optimizer` returned
                     (it installs the resumed optimizer state)
     step            a step returned: `start`, `step_s` (the engine's own step time), `loss`
     checkpoint      the stop request's checkpoint (`engine.last_checkpoint`), right after its step,
-                    with `phases`: rank 0's seconds in varuna.checkpoint's I/O calls (see `_Probe`)
+                    with `phases`: rank 0's seconds in varuna.checkpoint.layout's I/O calls (see `_Probe`)
     early_checkpoint  with `early_checkpoint_step` in the spec: an ordinary engine.checkpoint() then
     exit            `engine.step()` raised SystemExit (75: checkpointed, ready to morph)
     done            the resumed launch finished its steps
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_MODULE_START = time.time()  # the imports above are varuna.worker's too: already loaded, ~free
+_MODULE_START = time.time()  # the imports above are varuna.launch.worker's too: already loaded, ~free
 
 EVENTS = "bench-events.jsonl"
 LR = 1e-4
@@ -79,10 +79,10 @@ class _Delegate:
 
 
 class _Probe:
-    """Wall seconds this process spends in the calls `varuna.checkpoint` makes, by kind.
+    """Wall seconds this process spends in the calls `varuna.checkpoint.layout` makes, by kind.
 
     The bench times the library from outside without editing it: `install` rebinds names in
-    `varuna._checkpoint_io` (`checksum`) and `varuna.checkpoint` (its `dcp` and `dist` modules
+    `varuna.checkpoint.storage` (`checksum`) and `varuna.checkpoint.layout` (its `dcp` and `dist` modules
     through a `_Delegate`), and wraps `os.fsync` process-wide (so the checksums and fsyncs inside
     `dcp.save` and `dcp.load` count too: `crc32` and `fsync` overlap them). A name the module no
     longer has is skipped, so a refactor loses detail, not the run.
@@ -103,8 +103,8 @@ class _Probe:
         return timed
 
     def install(self) -> None:
-        from varuna import _checkpoint_io as cio
-        from varuna import checkpoint as vck
+        from varuna.checkpoint import layout as vck
+        from varuna.checkpoint import storage as cio
 
         if hasattr(cio, "checksum"):  # every CRC-32 computation, the in-memory ones inside dcp.save/load too
             cio.checksum = self._wrap("crc32", cio.checksum)  # type: ignore[method-assign]
@@ -124,7 +124,7 @@ class _Probe:
 
 
 def main(argv: list[str]) -> None:
-    import torch  # already imported by varuna.worker; varuna.engine brings torch.distributed.checkpoint
+    import torch  # already imported by varuna.launch.worker; varuna.engine.engine brings torch.distributed.checkpoint
     import torch.distributed as dist
 
     from varuna import Varuna

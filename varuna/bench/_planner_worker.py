@@ -3,14 +3,14 @@
     varuna run -p 4 --run-dir RUN -m varuna.bench._planner_worker SPEC.json     # mode "profile"
     varuna run -p W --run-dir RUN -m varuna.bench._planner_worker SPEC.json     # mode "measure"
 
-    profile   `varuna.profile.run_profile` on every rank: the network along the layouts of 2 and 4
+    profile   `varuna.profile.measure.run_profile` on every rank: the network along the layouts of 2 and 4
               ranks, the compute slowdown with 1..4 ranks busy, the model on rank 0 ->
               RUN/profile.json
     measure   `rounds` rounds, each first `run_profile` again (network and slowdown of these W
               ranks, the model) and then every configuration of the spec (P x D = W, micro-batch
               size, schedule, recompute and the stage boundaries chosen from the first profile):
               `Varuna(...)` with exactly that choice, AdamW, `warmup` untimed and `steps` timed
-              steps, and `varuna.plan.predict` of it from the round's profile. A step is timed from
+              steps, and `varuna.planner.search.predict` of it from the round's profile. A step is timed from
               a barrier to the end of the optimizer step; its time is the slowest rank's. Rank 0
               writes the results to the spec's `out`.
 
@@ -99,7 +99,8 @@ def _batches(spec: dict[str, Any], steps: int) -> list[dict[str, torch.Tensor]]:
 
 def profile(spec: dict[str, Any]) -> None:
     """`run_profile` on every rank; rank 0 writes RUN/profile.json."""
-    from varuna.profile import run_profile
+    from varuna import Varuna
+    from varuna.profile.measure import run_profile
 
     run_profile(
         _model(spec["model"]),
@@ -108,6 +109,7 @@ def profile(spec: dict[str, Any]) -> None:
         repeats=spec["repeats"],
         run_dir=spec["run_dir"],
         progress=False,
+        engine=Varuna,
     )
 
 
@@ -183,8 +185,8 @@ def _bracketed_steps(
 
     import torch.distributed as dist
 
-    from varuna.costs import CostTable
-    from varuna.profile import profile_model
+    from varuna.planner.costs import CostTable
+    from varuna.profile.measure import profile_model
 
     m = c["micro_batch_size"]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -271,9 +273,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     round the step times and the prediction from that round's profile."""
     import torch.distributed as dist
 
-    from varuna.costs import CostTable
-    from varuna.plan import predict
-    from varuna.profile import run_profile
+    from varuna import Varuna
+    from varuna.planner.costs import CostTable
+    from varuna.planner.search import predict
+    from varuna.profile.measure import run_profile
 
     rank = dist.get_rank()
     batches = _batches(spec, spec["warmup"] + spec["steps"])
@@ -285,7 +288,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         def measure_costs() -> CostTable:
             return run_profile(
                 _model(spec["model"]), batches[0], micro_batch_sizes=spec["micro_batch_sizes"],
-                repeats=spec["repeats"], run_dir=spec["run_dir"], progress=False,
+                repeats=spec["repeats"], run_dir=spec["run_dir"], progress=False, engine=Varuna,
             )  # fmt: skip
 
         table, seen = retries.run(f"profile of round {r + 1}", measure_costs)

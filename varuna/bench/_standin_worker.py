@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from varuna import Varuna, auto_cut
-from varuna import _standin as standin
+from varuna.cut import standin as standin
 
 
 def build(kind: str, spec: dict[str, Any]) -> torch.nn.Module:

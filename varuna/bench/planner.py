@@ -3,17 +3,17 @@
     python -m varuna.bench planner --json        # ~8-9 min on 2 cores; one JSON object on stdout
     python -m varuna.bench planner --quick       # tiny model, one round: a smoke run of every path
 
-    1. profile   one 4-rank job runs `varuna.profile.run_profile` on a GPT (per-segment compute and
+    1. profile   one 4-rank job runs `varuna.profile.measure.run_profile` on a GPT (per-segment compute and
                  memory, p2p, all-reduce along the 2- and 4-rank layouts, compute slowdown with
                  1..4 ranks busy) -> profile.json
     2. choose    for every configuration (P x D in 1x2, 2x1, 2x2, 4x1; each micro-batch size; each
-                 schedule) `varuna.plan.plan` restricted to exactly it gives the stage boundaries
+                 schedule) `varuna.planner.search.plan` restricted to exactly it gives the stage boundaries
     3. measure   one job per world size (2 and 4 ranks), `rounds` rounds; each round profiles
                  again (`run_profile` on the job's ranks) and then trains every configuration of
                  that size with exactly the planner's choice (same boundaries)
-    4. predict   `varuna.plan.predict` of each configuration, with its boundaries, from the profile
+    4. predict   `varuna.planner.search.predict` of each configuration, with its boundaries, from the profile
                  of its round whose per-segment compute at the configuration's micro-batch size is
-                 the mean of two profiles (`varuna.profile.profile_model`) taken right before and
+                 the mean of two profiles (`varuna.profile.measure.profile_model`) taken right before and
                  right after the configuration runs (on 2 cores, ranks 0 and 1 profiling at once,
                  rank 0's times over the round's 2-rank slowdown). This host's speed drifts by 10-40% over minutes even with nothing else
                  running in the VM (seen here: the model's forward+backward profiled at 0.094,
@@ -35,7 +35,7 @@ a round (or a profile) during which other processes kept cores busy is measured 
 `_planner_worker`). Every
 configuration lists its rounds with the foreign load seen, and `disturbed` counts those kept
 disturbed. 4 ranks on 2 cores oversubscribe: the profile measures how much slower compute runs
-with n ranks busy and the simulator shares the cores among busy stages (`varuna.simulate.Sharing`).
+with n ranks busy and the simulator shares the cores among busy stages (`varuna.planner.simulator.Sharing`).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class PlannerBench:
         and schedule, where two schedules that run the very same actions (at P=1, 1F1B and
         Varuna's: F B per micro-batch on the one stage) count once, under the first; measuring
         one job twice under two names would score the host's noise as the planner's error."""
-        from varuna.plan import _runs_as
+        from varuna.planner.search import _runs_as
 
         out, seen = [], set()
         for P, D in self.shapes:
@@ -254,7 +254,7 @@ def _job(bench: PlannerBench, tmp: Path, tag: str, world: int, spec: dict[str, A
 
 def _profile(bench: PlannerBench, tmp: Path, tag: str) -> tuple[Any, list[float | None]]:
     """The profile job, repeated while other processes disturbed it (up to `attempts` times)."""
-    from varuna.costs import CostTable
+    from varuna.planner.costs import CostTable
 
     loads: list[float | None] = []
     t0 = time.perf_counter()
@@ -280,7 +280,7 @@ def _profile(bench: PlannerBench, tmp: Path, tag: str) -> tuple[Any, list[float 
 
 def _choose(bench: PlannerBench, table: Any) -> list[dict[str, Any]]:
     """Every configuration with the stage boundaries the planner gives it."""
-    from varuna.plan import plan
+    from varuna.planner.search import plan
 
     out = []
     for P, D, m, s in bench.configs():
@@ -378,7 +378,7 @@ def run(bench: PlannerBench) -> dict[str, Any]:
             "measured_s": "median of the timed steps (slowest rank, barrier to end of optimizer step) of "
             "the configuration's undisturbed rounds",
             "error": "predicted_s / measured_s - 1",
-            "predicted_s": "median over the same rounds of varuna.plan.predict of the configuration "
+            "predicted_s": "median over the same rounds of varuna.planner.search.predict of the configuration "
             "(with its boundaries) from the profile taken at the start of the round, its per-segment "
             "compute at the configuration's micro-batch size the mean of two profiles taken right "
             "before and right after the configuration runs (predicted_s_round_profile: without them)",

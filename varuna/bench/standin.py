@@ -1,7 +1,7 @@
 """``python -m varuna.bench standin``: what the stand-ins cost a stage's forward on real models.
 
 A stage runs the user's whole forward: before its input CutPoint, glue code on stand-ins and
-skipped modules inferred on meta (`varuna._standin`); then its own modules; it stops at its output
+skipped modules inferred on meta (`varuna.cut.standin`); then its own modules; it stops at its output
 CutPoint. This bench cuts transformers GPT-2 and Llama (12 blocks by default) with `auto_cut`, runs
 them at P = 2 and P = 4 with even stages in real `varuna run` jobs, and times each stage's forward
 with the stand-in work measured inside it. ``overhead`` is stand-in time over the rest of the

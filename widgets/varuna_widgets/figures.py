@@ -5,7 +5,7 @@ Pure functions (no ipywidgets, no plotly import): the tests check them directly 
 
     timeline  one row per (stage, replica), stage 0 on top; one bar trace per span kind, so a
               refresh replaces a fixed set of arrays instead of adding traces; the gaps are the
-              bubbles; a prediction from `varuna.simulate` can be drawn under the measured spans.
+              bubbles; a prediction from `varuna.planner.simulator` can be drawn under the measured spans.
     memory    stacked bars per stage (parameters, gradients, optimizer, activations) + peak marker.
     curves    loss and samples/s against the step, old points thinned; a line where the job was
               relaunched in a new shape.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from varuna._store import StageMemory, StepMetrics, Timeline
+from varuna.telemetry import StageMemory, StepMetrics, Timeline
 
 __all__ = [
     "SPAN_KINDS",
@@ -110,7 +110,7 @@ def timeline_traces(timeline: Timeline, *, origin: float | None = None) -> list[
 def predicted_traces(
     events: Sequence[dict[str, Any]], *, offset_ms: float = 0.0, replica: int = 0
 ) -> list[dict[str, Any]]:
-    """The planner's prediction (`varuna.simulate.Timeline.to_events()`) as outlined bars on the
+    """The planner's prediction (`varuna.planner.simulator.Timeline.to_events()`) as outlined bars on the
     measured rows of `replica`, shifted by `offset_ms` (align it with a measured step's start)."""
     out: dict[str, dict[str, list[Any]]] = {
         k: {"x": [], "base": [], "y": []} for k in ("F", "B", "W", "R", "allreduce")

@@ -30,9 +30,9 @@ from typing import Any
 
 import ipywidgets as w
 
-from varuna._store import Timeline
 from varuna.controller import JobController
 from varuna.errors import ConfigError, LaunchError
+from varuna.telemetry import Timeline
 from varuna_widgets import figures
 from varuna_widgets._drawing import _TERMINAL, _Drawing
 from varuna_widgets.plot import PlotView
@@ -264,7 +264,7 @@ class Workbench(_Drawing):
         return metrics[-1].step if metrics else None
 
     def show_prediction(self, prediction: Any) -> None:
-        """Draw a predicted step (a `varuna.simulate.Timeline`, or its `to_events()`) as outlines over
+        """Draw a predicted step (a `varuna.planner.simulator.Timeline`, or its `to_events()`) as outlines over
         the newest measured step of replica 0; `None` removes it."""
         if prediction is not None and hasattr(prediction, "to_events"):
             prediction = prediction.to_events(include_comm=False)

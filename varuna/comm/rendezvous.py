@@ -1,0 +1,289 @@
+"""Rendezvous: turn a set of launched processes into one torch.distributed group.
+
+MPI's process manager (``mpiexec``) starts the ranks and tears the job down when one dies; mpi4py is
+used only here, once, to agree on the address of a ``TCPStore``. After that every tensor moves over
+torch.distributed (gloo on CPU, NCCL on CUDA) and no rank sits in an MPI call, so nothing busy-polls.
+
+    rank 0                      other ranks
+    ------                      -----------
+    allgather(hostname)  <--->  allgather(hostname)
+    TCPStore(host, port 0)
+    bcast((host, port))  ---->  TCPStore(host, port) as client
+    init_process_group(store=...)  on every rank
+
+Placement contract (the engine relies on it): world rank ``r`` with pipeline depth ``P`` is
+``stage = r % P`` and ``replica = r // P``, i.e. ``rank = replica * P + stage``.
+
+``import varuna.comm.rendezvous`` never imports mpi4py: a plain ``python train.py`` must not start MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from varuna.errors import ConfigError, LaunchError
+
+__all__ = [
+    "host_layout",
+    "LaunchEnv",
+    "launch_env",
+    "placement",
+    "init_distributed",
+    "shutdown",
+    "finalize_mpi",
+    "env_rank",
+    "select_backend",
+]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+# Variables that MPI process managers set in every rank they start (MPICH/hydra, Open MPI/PMIx, Intel MPI).
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+_MPI_MARKERS = (*_MPI_RANK_VARS, "PMI_SIZE", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the varuna launcher told this process through ``VARUNA_*`` environment variables."""
+
+    pipeline: int | None
+    """Pipeline depth P (``VARUNA_PIPELINE``), or None when not set."""
+    data: int | None
+    """Data-parallel degree D (``VARUNA_DATA``), or None when not set."""
+    run_dir: Path | None
+    """The job's run directory (``VARUNA_RUN_DIR``): logs/, failures/, status/ live there."""
+    launched: bool
+    """True when this process runs under ``varuna.launch.worker`` (``VARUNA_LAUNCHED=1``)."""
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a positive integer (got {raw!r})") from None
+    if value < 1:
+        raise ConfigError(f"{name} must be a positive integer (got {value})")
+    return value
+
+
+def launch_env() -> LaunchEnv:
+    """Read ``VARUNA_PIPELINE``, ``VARUNA_DATA``, ``VARUNA_RUN_DIR`` and ``VARUNA_LAUNCHED``.
+
+    >>> os.environ["VARUNA_PIPELINE"] = "2"
+    >>> launch_env().pipeline
+    2
+    """
+    run_dir = os.environ.get("VARUNA_RUN_DIR", "").strip()
+    return LaunchEnv(
+        pipeline=_env_int("VARUNA_PIPELINE"),
+        data=_env_int("VARUNA_DATA"),
+        run_dir=Path(run_dir) if run_dir else None,
+        launched=os.environ.get("VARUNA_LAUNCHED", "") == "1",
+    )
+
+
+def placement(rank: int, pipeline: int) -> tuple[int, int]:
+    """Return ``(stage, replica)`` of world rank ``rank`` in a pipeline of depth ``pipeline``.
+
+    >>> [placement(r, 2) for r in range(4)]
+    [(0, 0), (1, 0), (0, 1), (1, 1)]
+    """
+    if pipeline < 1:
+        raise ConfigError(f"pipeline depth must be >= 1 (got {pipeline})")
+    if rank < 0:
+        raise ConfigError(f"rank must be >= 0 (got {rank})")
+    return rank % pipeline, rank // pipeline
+
+
+def env_rank() -> int | None:
+    """This process's world rank as announced by the process manager, before any rendezvous."""
+    for name in (*_MPI_RANK_VARS, "RANK", "SLURM_PROCID"):
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit():
+            return int(raw)
+    return None
+
+
+def select_backend() -> str:
+    """The device seam: NCCL when CUDA is available, else gloo; ``VARUNA_BACKEND`` overrides."""
+    import torch
+
+    wanted = os.environ.get("VARUNA_BACKEND", "").strip().lower()
+    if wanted in ("gloo", "nccl"):
+        return wanted
+    if wanted:
+        raise ConfigError(f"VARUNA_BACKEND must be 'gloo' or 'nccl' (got {wanted!r})")
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _timeout(timeout_s: float | None) -> timedelta:
+    if timeout_s is None:
+        raw = os.environ.get("VARUNA_TIMEOUT", "").strip()
+        try:
+            timeout_s = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ConfigError(f"VARUNA_TIMEOUT must be a number of seconds (got {raw!r})") from None
+    if timeout_s <= 0:
+        raise ConfigError(f"the distributed timeout must be > 0 seconds (got {timeout_s})")
+    return timedelta(seconds=timeout_s)
+
+
+def _under_mpi() -> bool:
+    if any(name in os.environ for name in _MPI_MARKERS):
+        return True
+    mpi = sys.modules.get("mpi4py.MPI")
+    return bool(mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1)
+
+
+def _import_mpi() -> Any:
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        # MPI_Init rather than MPI_Init_thread(MULTIPLE): only the main thread talks MPI, and only
+        # during rendezvous; nothing is left to progress in the background.
+        mpi4py.rc.threads = False
+        # MPICH's shared-memory setup spins a core in MPI_Init until the slowest rank arrives (seconds
+        # while ranks import torch on a small machine); our few bytes of MPI traffic don't need it.
+        os.environ.setdefault("MPIR_CVAR_NOLOCAL", "1")
+    from mpi4py import MPI
+
+    return MPI
+
+
+def host_layout() -> list[tuple[str, int]]:
+    """Collective (torch.distributed): every rank's (host name, cores this process may run on),
+    in rank order; the profile reads it to tell ranks sharing a host's cores apart from others."""
+    import torch.distributed as dist
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), cores))
+    return [(str(h), int(c)) for h, c in every]
+
+
+def _sleepy_barrier(comm: Any) -> None:
+    """Wait for every rank without spinning: blocking MPI collectives busy-poll a core meanwhile."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+
+
+def _outbound_ip(peers: list[str]) -> str:
+    """The address of this host that the other hosts can reach (``VARUNA_MASTER_ADDR`` overrides)."""
+    override = os.environ.get("VARUNA_MASTER_ADDR", "").strip()
+    if override:
+        return override
+    me = socket.gethostname()
+    for peer in peers:
+        if peer == me:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((socket.gethostbyname(peer), 9))  # UDP: routes, sends nothing
+                return str(probe.getsockname()[0])
+        except OSError:
+            continue
+    return socket.gethostbyname(me)
+
+
+def _set_device(backend: str, local_rank: int) -> None:
+    """With NCCL, give each rank on a host its own GPU (round-robin when ranks outnumber GPUs)."""
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
+    """Rendezvous over MPI; return (store, rank, world size, local rank)."""
+    import torch.distributed as dist
+
+    comm = _import_mpi().COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    _sleepy_barrier(comm)
+    hosts: list[str] = comm.allgather(socket.gethostname())
+    local_rank = hosts[:rank].count(hosts[rank])
+    one_host = len(set(hosts)) == 1
+    if one_host:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = None
+    address: tuple[str, int] | str
+    if rank == 0:
+        try:
+            host = "127.0.0.1" if one_host else _outbound_ip(hosts)
+            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            address = (host, int(store.port))
+        except Exception as exc:  # every rank must leave bcast, or the others would spin in MPI
+            address = f"{type(exc).__name__}: {exc}"
+    else:
+        address = ""
+    address = comm.bcast(address, root=0)
+    if isinstance(address, str):
+        raise LaunchError(f"rank 0 could not start the rendezvous store: {address}")
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+    return store, rank, size, local_rank
+
+
+def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
+    """Initialise torch.distributed for this process and return ``(rank, world_size)``.
+
+    Under an MPI launch the ranks meet through mpi4py (see the module docstring); otherwise this is
+    a one-process group on loopback, so single-process code paths use the same collectives. A
+    torchrun-style environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) is
+    honoured too. Idempotent. ``timeout_s`` defaults to ``VARUNA_TIMEOUT`` or 120 s.
+
+    >>> rank, world = init_distributed()   # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    timeout = _timeout(timeout_s)
+    backend = select_backend()
+    if _under_mpi():
+        store, rank, size, local_rank = _mpi_store(timeout)
+        _set_device(backend, local_rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    elif all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        _set_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        _set_device(backend, 0)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown() -> None:
+    """Destroy the default process group if one is initialised (safe to call twice)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def finalize_mpi() -> None:
+    """Finalise MPI if this process initialised it; call it last, on a clean exit.
+
+    ``MPI_Finalize`` waits (sleeping, not spinning) until every rank reaches it. It matters: the
+    process manager treats a rank that exits *without* finalising as failed and kills the job, which
+    is exactly what a failing rank wants (``os._exit(1)``) and what a finished one must avoid.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()

@@ -1,0 +1,463 @@
+"""`Varuna`: this rank's stage of a pipeline x data-parallel job, and its training step.
+
+    engine = Varuna(model, global_batch_size=32, micro_batch_size=4, example_batch=batch)
+    # or varuna.Varuna(model, global_batch_size=32, pipeline="auto", example_batch=batch): see varuna.auto
+    opt = torch.optim.AdamW(engine.parameters(), lr=3e-4)
+    engine.set_optimizer(opt)
+    for step in range(n):
+        loss = engine.step(engine.batch(dataset, step))   # same mean loss on every rank
+
+Construction traces one forward of the whole model to learn the CutPoint order and which
+parameters each segment uses, chooses the stage boundaries (balanced by a measured profile by
+default), frees every parameter this rank's stage does not hold (they become meta tensors), and
+makes the process groups: one per stage across replicas for the data-parallel all-reduce, one
+per tied weight across its holders (`varuna.engine.stage`). What a checkpoint holds for an exact resume,
+and the resume itself, are in `varuna.engine.train_state`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from varuna._files import write_json_atomic
+from varuna.checkpoint import layout as ckpt
+from varuna.comm import rendezvous as vdist
+from varuna.comm.p2p import P2P, GradBuckets
+from varuna.config import VarunaConfig
+from varuna.cut.partition import cut_names
+from varuna.data import batch_len, slice_batch
+from varuna.elastic.protocol import MORPH_EXIT, StopRequest
+from varuna.engine import stage as _stage
+from varuna.engine import train_state as _train_state
+from varuna.engine.precision import LossScaler, autocast_policy
+from varuna.engine.runtime import StageRuntime, StepTimes
+from varuna.errors import CheckpointError, ConfigError
+from varuna.planner.costs import model_signature
+from varuna.schedule import Action, lower, make_schedule, split_backwards, validate
+from varuna.telemetry.recorder import Telemetry  # telemetry
+
+__all__ = ["Varuna"]
+
+
+def _device() -> torch.device:
+    """The device seam: the rank's CUDA device under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Varuna:
+    """This rank's pipeline stage, and `step(batch)` running one optimizer step over all stages."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        pipeline: int | Literal["auto"] | None = None,
+        data: int | None = None,
+        schedule: str | None = None,
+        precision: str = "fp32",
+        shared_weights: Sequence[Sequence[str]] | None = None,
+        partition: str | Sequence[int] = "balanced",
+        recompute: bool | None = None,
+        clip_grad_norm: float | None = None,
+        example_batch: Mapping[str, Any] | None = None,
+        run_dir: str | Path | None = None,
+        resume: str | Path | None = None,
+        plan_info: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        env = vdist.launch_env()
+        self.rank, self.world_size = vdist.init_distributed()
+        self.plan_info = dict(plan_info) if plan_info is not None else None  # engine.json's "plan"
+        if pipeline == "auto":
+            raise ConfigError(
+                "pipeline='auto' is resolved by varuna.Varuna (from varuna import Varuna), which plans the "
+                "shape and then builds this engine; varuna.engine.Varuna takes a pipeline depth"
+            )
+        if micro_batch_size is None:
+            raise ConfigError(
+                "micro_batch_size is required (or pass pipeline='auto' to let the planner choose it)"
+            )
+        pipeline = pipeline if pipeline is not None else (env.pipeline or 1)
+        if data is None:
+            data = env.data if env.data is not None else max(self.world_size // max(pipeline, 1), 1)
+        self.config = VarunaConfig(
+            pipeline=pipeline,
+            data=data,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            schedule=schedule or "1f1b",  # type: ignore[arg-type]
+            precision=precision,  # type: ignore[arg-type]
+            shared_weights=tuple(tuple(g) for g in (shared_weights or ())),
+            partition=partition if isinstance(partition, str) else tuple(partition),  # type: ignore[arg-type]
+            recompute=recompute,
+            clip_grad_norm=clip_grad_norm,
+            run_dir=Path(run_dir) if run_dir is not None else env.run_dir,
+            resume=resume if resume is not None else os.environ.get("VARUNA_RESUME") or None,
+            **options,
+        )
+        cfg = self.config
+        P, D = cfg.pipeline, cfg.data
+        if self.world_size != P * D:
+            raise ConfigError(
+                f"the job has {self.world_size} processes but pipeline x data = {P} x {D} = {P * D}; launch "
+                f"with `varuna run --pipeline {P} --data {D} ...` ({P * D} processes), or pass pipeline/data "
+                f"that multiply to {self.world_size}"
+            )
+        self.stage, self.replica = vdist.placement(self.rank, P)
+        self.where = f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
+        self.device = _device()
+        self.autocast = autocast_policy(cfg.precision, self.device.type)
+        self.scaler = LossScaler(cfg.init_loss_scale) if cfg.precision == "fp16" else None
+        self.model = model
+
+        micro = None if cfg.pipeline == 1 and example_batch is None else self._example(example_batch)
+        traced: dict[str, dict[Any, Any]] = {}  # module -> output shapes seen, for skipped modules
+        self.trace = _stage.trace(model, micro, traced)
+        self.partition = _stage.partition(
+            model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast
+        )
+        owned = set(self.partition.stage_params[self.stage])
+        _stage.strip(model, owned, self.device, traced)
+        _stage.to_device(model, self.device)
+        self._params = _stage.owned_parameters(model)
+        self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage)
+        self._resume_path = ckpt.resolve(cfg.resume, cfg.run_dir) if cfg.resume is not None else None
+        if self._resume_path is None:  # a checkpoint overwrites every value anyway
+            _stage.broadcast_initial_values(self._params, self.stage, self._dp_group, self._tied_groups)
+
+        tied_names = {n for g in self.partition.tied for n in g.names}
+        by_name = dict(self._params)
+        self._buckets = GradBuckets(
+            [p for n, p in self._params if n not in tied_names], bucket_bytes=int(cfg.bucket_mb * 2**20)
+        )
+        self._tied_local = [
+            (g, pg, [by_name[n] for n in g.names if n in by_name])
+            for g, pg, _ in self._tied_groups
+            if self.stage in g.stages
+        ]
+
+        compute = make_schedule(cfg.schedule, P, cfg.num_microbatches, recompute=cfg.recompute)  # type: ignore[arg-type]
+        lowered = lower(compute)
+        if cfg.split_backward:
+            lowered = split_backwards(lowered)
+        validate(lowered, P, cfg.num_microbatches)
+        self.schedule = lowered
+        self.actions: list[Action] = lowered[self.stage]
+        prev_rank = self.rank - 1 if self.stage > 0 else None
+        next_rank = self.rank + 1 if self.stage < P - 1 else None
+        self._p2p = P2P(prev_rank, next_rank, self.device)
+        names = cut_names(model)
+        position = {name: i for i, name in enumerate(self.trace.cut_names)}
+        index_of = {mid: position.get(name, -1) for mid, name in names.items()}
+        self._runtime = StageRuntime(
+            model,
+            stage=self.stage,
+            num_stages=P,
+            cut_index=index_of,
+            cut_names=self.trace.cut_names,
+            start_cut=self.partition.start_cut(self.stage),
+            end_cut=self.partition.end_cut(self.stage),
+            p2p=self._p2p,
+            autocast=self.autocast,
+            recompute=cfg.uses_recompute,
+            opportunistic=cfg.schedule == "varuna",
+            where=self.where,
+        )
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self.step_count = 0
+        self.last_step_skipped = False
+        self.last_grad_norm: float | None = None
+        self.last_times: StepTimes | None = None
+        self.history: list[dict[str, float]] = []
+        self.stop_request = StopRequest()
+        self.stop_request.install()
+        self.should_stop = False
+        self._pending_optimizer: tuple[dict[str, torch.Tensor], list[dict[str, Any]], Any] | None = None
+        self.resumed_from: Path | None = None
+        self._morph_exit: Path | None = None
+        self._saved_optimizer_class: str | None = None
+        self.resume_info: dict[str, Any] | None = None
+        self.last_checkpoint: dict[str, Any] | None = None
+        if self._resume_path is not None:
+            resumed = _train_state.resume(
+                self._resume_path,
+                cfg,
+                rank=self.rank,
+                world_size=self.world_size,
+                param_shapes=self.trace.param_shapes,
+                params=self._params,
+                scaler=self.scaler,
+            )
+            self.step_count, self._pending_optimizer = resumed.step, resumed.pending_optimizer
+            self._saved_optimizer_class = resumed.optimizer_class
+            self.resumed_from, self.resume_info = self._resume_path, resumed.info
+        if self.rank == 0 and cfg.run_dir is not None:
+            self._write_engine_info()
+        self._telemetry = Telemetry.attach(self)  # telemetry: hello, ready; observes the runtime
+
+    # construction ------------------------------------------------------------------------------
+    def _example(self, example_batch: Mapping[str, Any] | None) -> dict[str, Any]:
+        if example_batch is None:
+            raise ConfigError(
+                f"pipeline={self.config.pipeline} needs example_batch=: one batch dict, as given to step(), so "
+                "Varuna can run a forward pass to find the CutPoints and what each stage uses"
+            )
+        return slice_batch(example_batch, 0, self.config.micro_batch_size)
+
+    # public API --------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this rank holds (give these to the optimizer)."""
+        return (p for _, p in self._params)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._params)
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> None:
+        """Let `step()` run the optimizer (and scheduler), so fp16 overflow steps are skipped everywhere."""
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        if self._pending_optimizer is not None:
+            saved_class = self._saved_optimizer_class
+            if saved_class is not None and saved_class != type(optimizer).__name__:
+                raise CheckpointError(
+                    f"the checkpoint {self.resumed_from} was saved with a {saved_class} optimizer, this run gives "
+                    f"{type(optimizer).__name__}; use the same optimizer to resume (or start without resume=)"
+                )
+            state, groups, scheduler_state = self._pending_optimizer
+            ckpt.apply_optimizer_state(optimizer, self._params, state, groups)
+            if lr_scheduler is not None and scheduler_state is not None:
+                lr_scheduler.load_state_dict(scheduler_state)
+            self._pending_optimizer = None
+
+    def request_stop(self, reason: str = "request_stop()") -> None:
+        """Ask every rank to stop after the current step (the morph protocol; see varuna.elastic.protocol)."""
+        self.stop_request.set(reason)
+
+    def batch(self, dataset: Any, step: int, *, seed: int = 0, shuffle: bool = True) -> dict[str, Any]:
+        """This replica's share of step `step`'s global batch from a map-style dataset."""
+        from varuna.data import ReplicaLoader
+
+        loader = ReplicaLoader(
+            dataset,
+            global_batch_size=self.config.global_batch_size,
+            replica=self.replica,
+            data_parallel=self.config.data,
+            seed=seed,
+            shuffle=shuffle,
+        )
+        return loader.batch(step)
+
+    def step(self, batch: Mapping[str, Any]) -> float:
+        """Forward and backward over this replica's micro-batches, reduce, step; the global mean loss."""
+        cfg = self.config
+        if self._morph_exit is not None:
+            if self.rank == 0:
+                reason = self.stop_request.reason or "by another rank"
+                print(
+                    f"varuna: stop requested ({reason}); checkpointed step {self.step_count} to "
+                    f"{self._morph_exit}; exiting to morph",
+                    flush=True,
+                )
+            raise SystemExit(MORPH_EXIT)
+        t0 = time.perf_counter()
+        local = cfg.global_batch_size // cfg.data
+        n = batch_len(batch)
+        if n != local:
+            raise ConfigError(
+                f"step() got a batch of {n} samples but this replica's share of the global batch is "
+                f"global_batch_size / data = {cfg.global_batch_size} / {cfg.data} = {local}; "
+                "use engine.batch(dataset, step) or slice varuna.data.sample_indices(...)"
+            )
+        mbs, M = cfg.micro_batch_size, cfg.num_microbatches
+        micro = [slice_batch(batch, i * mbs, (i + 1) * mbs, self.device) for i in range(M)]
+        self._buckets.zero_and_attach()
+        for _, _, members in self._tied_local:
+            for p in members:
+                p.grad = None
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._works: list[Any] = []
+        losses, times = self._runtime.run(
+            self.actions, micro, loss_coef=scale / M, allreduce=self._start_allreduce
+        )
+        t_wait = time.perf_counter()
+        for w in self._works:
+            w.wait()
+        self._finish_tied()
+        self._p2p.finish()
+        grads = [p.grad for _, p in self._params if p.grad is not None]
+        sumsq = self._local_sumsq()
+        want_ckpt = self._telemetry.poll()  # telemetry: rank 0's controller commands (stop sets stop_request)
+        # [loss, grad sum of squares, stop, checkpoint]: the one small all-reduce of every step
+        flags = torch.tensor(
+            [
+                float(sum(losses)) / M if losses else 0.0,
+                sumsq,
+                float(bool(self.stop_request)),
+                float(want_ckpt),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        if self.world_size > 1:
+            dist.all_reduce(flags)
+        times.comm_s += time.perf_counter() - t_wait
+        loss, total_sq, stop = float(flags[0]) / cfg.data, float(flags[1]) / cfg.data, bool(flags[2] > 0)
+        want_ckpt = bool(flags[3] > 0)  # telemetry: a controller's checkpoint command, agreed by all ranks
+        self.should_stop = stop
+        overflow = self.scaler is not None and not math.isfinite(total_sq)
+        self.last_step_skipped = overflow
+        if overflow:
+            assert self.scaler is not None
+            self.scaler.update(True)
+            self.last_grad_norm = None
+        else:
+            norm = math.sqrt(total_sq) / scale
+            self.last_grad_norm = norm
+            coef = 1.0 / scale
+            if cfg.clip_grad_norm is not None and norm > cfg.clip_grad_norm:
+                coef *= cfg.clip_grad_norm / (norm + 1e-6)
+            if coef != 1.0 and grads:
+                torch._foreach_mul_(grads, coef)
+            if self.optimizer is not None:
+                t_opt = time.perf_counter()
+                self.optimizer.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                times.compute_s += time.perf_counter() - t_opt
+            if self.scaler is not None:
+                self.scaler.update(False)
+        self.step_count += 1
+        times.total_s = time.perf_counter() - t0
+        self.last_times = times
+        self.history.append(
+            {
+                "step": self.step_count,
+                "loss": loss,
+                "time_s": times.total_s,
+                "compute_s": times.compute_s,
+                "comm_s": times.comm_s,
+                "idle_s": max(times.total_s - times.compute_s - times.comm_s, 0.0),
+            }
+        )
+        if stop and cfg.on_stop == "exit":
+            # Checkpoint now (a preempted VM has seconds), exit at the next step() so that the script
+            # still sees this step's loss.
+            self._morph_exit = self.checkpoint()
+            self._telemetry.checkpoint_done(self.last_checkpoint, exiting=True)  # telemetry
+        self._telemetry.on_step(loss, times)  # telemetry
+        if want_ckpt and self._morph_exit is None:  # telemetry
+            self.checkpoint()  # telemetry
+            self._telemetry.checkpoint_done(self.last_checkpoint)  # telemetry
+        return loss
+
+    # checkpoints -------------------------------------------------------------------------------
+    def checkpoint(self, root: str | Path | None = None) -> Path:
+        """Collective: save everything an exact resume needs, keyed by parameter name; returns the path."""
+        cfg = self.config
+        if root is None:
+            if cfg.run_dir is None:
+                raise CheckpointError(
+                    "checkpoint() needs a run directory (run_dir=... or `varuna run`) or a root"
+                )
+            root = cfg.run_dir / "checkpoints"
+        path, self.last_checkpoint = _train_state.save(
+            Path(root),
+            cfg,
+            self.config_dict(),
+            step=self.step_count,
+            rank=self.rank,
+            model=self.model,
+            params=self._params,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            lr_scheduler=self.lr_scheduler,
+        )
+        return path
+
+    def _write_engine_info(self) -> None:
+        assert self.config.run_dir is not None
+        info = self.config_dict() | {
+            "num_segments": self.trace.num_segments,
+            "boundaries": list(self.partition.boundaries),
+            "step": self.step_count,
+            "model_signature": model_signature(self.model),  # which profile fits (varuna resize --gpus)
+            "plan": self.plan_info,
+        }
+        write_json_atomic(self.config.run_dir / "engine.json", info)
+
+    # reductions --------------------------------------------------------------------------------
+    def _start_allreduce(self) -> None:
+        if self._dp_group is not None:
+            self._works += self._buckets.allreduce_mean(self._dp_group, self.config.data)
+        self._tied_sums = []
+        for _, pg, members in self._tied_local:
+            grads = [p.grad for p in members if p.grad is not None]
+            if not grads:
+                total = torch.zeros_like(members[0])
+            elif len(grads) > 1:
+                total = torch.stack(grads).sum(0)
+            else:
+                total = grads[0]  # reduced in place: it becomes this parameter's gradient again
+            if pg is not None:
+                total.div_(self.config.data)
+                self._works.append(dist.all_reduce(total, group=pg, async_op=True))
+            self._tied_sums.append(total)
+
+    def _finish_tied(self) -> None:
+        for (_, _, members), total in zip(self._tied_local, self._tied_sums):
+            for p in members:
+                p.grad = total.clone() if len(members) > 1 else total
+
+    def _local_sumsq(self) -> float:
+        """Squared norm of the gradients this rank contributes (a tied weight counted once); inf/nan
+        propagate, which is the fp16 overflow check."""
+        tensors = list(self._buckets.buffers)
+        tensors += [t for (g, _, _), t in zip(self._tied_local, self._tied_sums) if self.stage == g.stages[0]]
+        norms = torch._foreach_norm(tensors) if tensors else []
+        return sum(float(n) ** 2 for n in norms)
+
+    def close(self) -> None:
+        """Release this engine's process groups (the default group stays for the next engine)."""
+        self._p2p.close()
+        groups = [self._dp_group] if self._dp_group is not None else []
+        groups += [pg for _, pg, _ in self._tied_groups if pg is not None]
+        for pg in groups:
+            dist.destroy_process_group(pg)
+        self._dp_group = None
+        self._tied_groups = []
+
+    # reporting ---------------------------------------------------------------------------------
+    def describe(self) -> str:
+        cfg = self.config
+        planned = ""
+        if self.plan_info is not None:
+            from varuna.planner.auto import describe
+
+            planned = "\n" + describe(self.plan_info)
+        return (
+            f"Varuna {cfg.pipeline}x{cfg.data} ({cfg.schedule}, {cfg.precision}, {cfg.num_microbatches} micro-batches "
+            f"of {cfg.micro_batch_size}) — {self.where}{planned}\n{self.partition.describe()}"
+        )
+
+    def config_dict(self) -> dict[str, Any]:
+        d = asdict(self.config)
+        for key in ("run_dir", "resume"):
+            d[key] = str(d[key]) if d[key] is not None else None
+        d["shared_weights"] = [list(g) for g in d["shared_weights"]]
+        d["partition"] = d["partition"] if isinstance(d["partition"], str) else list(d["partition"])
+        return d

@@ -1,0 +1,218 @@
+"""Building this rank's stage from the user's whole model, for `varuna.engine.engine.Varuna`.
+
+In the order `Varuna.__init__` calls them:
+
+    trace(model, micro, outputs)      -> Trace      one forward: the CutPoints, who uses what, and
+                                                    every module's output shapes
+    partition(model, trace, ...)      -> Partition  the stage boundaries (timed on rank 0 if balanced)
+    strip(model, owned, device, ...)                other stages' parameters become meta tensors, their
+                                                    modules return stand-ins
+    to_device(model, device)                        what is left moves to the rank's device
+    owned_parameters(model)           -> [(name, p)]
+    make_groups(config, partition, stage)           the data-parallel and tied-weight groups
+    broadcast_initial_values(...)                   replica 0's values, one value per tied weight
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from varuna._files import write_json_atomic
+from varuna.config import VarunaConfig
+from varuna.cut.cutpoint import CutPoint
+from varuna.cut.partition import (
+    Partition,
+    Trace,
+    canonical_names,
+    make_partition,
+    profile_segments,
+    trace_model,
+)
+from varuna.cut.standin import SkippedForward, record_outputs
+
+
+def trace(model: nn.Module, micro: dict[str, Any] | None, outputs: dict[str, dict[Any, Any]]) -> Trace:
+    """The model's trace on `micro`; None (pipeline=1 without an example batch) traces nothing.
+
+    Fills `outputs` with every module's output shapes per input signature (`record_outputs`), for
+    the modules this stage will skip."""
+    if micro is None:
+        _, aliases = canonical_names(model)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        return Trace(cut_names=[], param_segments={}, param_aliases=aliases, param_shapes=shapes)
+    with record_outputs(model) as seen:
+        traced = trace_model(model, micro)
+    outputs.update(seen)
+    return traced
+
+
+def partition(
+    model: nn.Module,
+    trace: Trace,
+    micro: dict[str, Any] | None,
+    config: VarunaConfig,
+    *,
+    rank: int,
+    world_size: int,
+    autocast: Callable[[], AbstractContextManager[object]],
+) -> Partition:
+    """The stages `config.partition` asks for: given boundaries, or balanced by measured costs."""
+    boundaries = None if isinstance(config.partition, str) else list(config.partition)
+    costs = None
+    if boundaries is None and config.partition == "balanced" and config.pipeline > 1:
+        assert micro is not None  # pipeline > 1 always traces an example micro-batch
+        costs = _segment_costs(
+            model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
+        )
+    return make_partition(
+        trace,
+        config.pipeline,
+        boundaries=boundaries,
+        segment_costs=costs,
+        shared_weights=config.shared_weights,
+    )
+
+
+def _segment_costs(
+    model: nn.Module,
+    micro: dict[str, Any],
+    trace: Trace,
+    config: VarunaConfig,
+    *,
+    rank: int,
+    world_size: int,
+    autocast: Callable[[], AbstractContextManager[object]],
+) -> list[float]:
+    """Measured on rank 0 (cached in the run directory), broadcast so every rank agrees."""
+    key_src = json.dumps(
+        {
+            "params": sorted((n, list(s)) for n, s in trace.param_shapes.items()),
+            "cuts": trace.cut_names,
+            "batch": {k: list(v.shape) for k, v in micro.items() if isinstance(v, torch.Tensor)},
+            "precision": config.precision,
+            "threads": torch.get_num_threads(),
+        },
+        sort_keys=True,
+    )
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    cache = config.run_dir / "cache" / f"segments-{key}.json" if config.run_dir is not None else None
+    box: list[Any] = [None]
+    if rank == 0:
+        if cache is not None and cache.exists():
+            box[0] = json.loads(cache.read_text())["costs"]
+        else:
+            box[0] = profile_segments(model, micro, repeats=config.profile_repeats, autocast=autocast)
+            if cache is not None:
+                write_json_atomic(cache, {"costs": box[0], "key": json.loads(key_src)})
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return [float(c) for c in box[0]]
+
+
+def strip(
+    model: nn.Module, owned: set[str], device: torch.device, traced: dict[str, dict[Any, Any]] | None = None
+) -> None:
+    """Replace every parameter this stage does not hold by a meta tensor; skip modules left empty.
+
+    A skipped module returns stand-ins on `device` with its output's shape and dtype
+    (`varuna.cut.standin`), so the glue code between modules runs on every stage; `traced` holds the
+    output shapes the start-up trace saw per module (see `trace`)."""
+    canon, _ = canonical_names(model)
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None or canon[id(p)] in owned:
+                continue
+            if id(p) not in replaced:
+                replaced[id(p)] = nn.Parameter(
+                    torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+                )
+            module._parameters[pname] = replaced[id(p)]
+
+    def visit(name: str, module: nn.Module) -> None:
+        params = list(module.parameters())
+        # A container (ModuleList, ...) is never called itself: its blocks are what gets skipped.
+        container = isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict))
+        if params and all(p.is_meta for p in params) and not isinstance(module, CutPoint) and not container:
+            for sub in module.modules():
+                for bname, b in list(sub._buffers.items()):
+                    if b is not None:
+                        sub._buffers[bname] = torch.empty_like(b, device="meta")
+            seen = (traced or {}).get(name)
+            module.forward = SkippedForward(module, name, device, seen)  # type: ignore[method-assign]
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}", child)
+
+    for child_name, child in model.named_children():
+        visit(child_name, child)
+
+
+def to_device(model: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers this stage holds (not the meta ones) to `device`."""
+    if device.type == "cpu":
+        return
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if not t.is_meta:
+                t.data = t.data.to(device)
+
+
+def owned_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The real (not stripped) parameters, once each, under their first name."""
+    out, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen or p.is_meta:
+            continue
+        seen.add(id(p))
+        out.append((name, p))
+    return out
+
+
+def make_groups(
+    config: VarunaConfig, partition: Partition, stage: int
+) -> tuple[Any, list[tuple[Any, Any, Any]]]:
+    """This stage's data-parallel group (None with D=1) and every tied group (group, pg, ranks).
+
+    Every rank creates every group, in the same order (torch.distributed requires it).
+    """
+    P, D = config.pipeline, config.data
+    dp_group = None
+    if D > 1:
+        for s in range(P):
+            group = dist.new_group([r * P + s for r in range(D)])
+            if s == stage:
+                dp_group = group
+    tied_groups: list[tuple[Any, Any, Any]] = []
+    for g in partition.tied:
+        ranks = [r * P + s for r in range(D) for s in g.stages]
+        pg = dist.new_group(ranks) if len(ranks) > 1 else None
+        tied_groups.append((g, pg, ranks))
+    return dp_group, tied_groups
+
+
+def broadcast_initial_values(
+    named: list[tuple[str, nn.Parameter]], stage: int, dp_group: Any, tied_groups: list[tuple[Any, Any, Any]]
+) -> None:
+    """Replica 0's values everywhere, and one value for every copy of a tied weight."""
+    params = dict(named)
+    with torch.no_grad():
+        if dp_group is not None:
+            for _, p in named:
+                dist.broadcast(p.data, src=stage, group=dp_group)
+        for g, pg, _ranks in tied_groups:
+            if stage not in g.stages:
+                continue
+            local = [params[n] for n in g.names if n in params]
+            if pg is not None:
+                dist.broadcast(local[0].data, src=g.stages[0], group=pg)
+            for p in local[1:]:
+                p.copy_(local[0])

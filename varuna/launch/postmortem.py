@@ -1,0 +1,123 @@
+"""After a job: which rank failed first and why, from the ranks' reports and what the launcher saw."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+from varuna.comm.rendezvous import placement
+
+__all__ = ["read_reports", "summarise"]
+
+# Hydra's "PID 123 RUNNING AT host / EXIT CODE: 9 ... (signal 9)": *a* rank that died of a signal,
+# not necessarily the first (it often names one that it killed itself).
+_DEATH = re.compile(r"PID (\d+) RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)")
+_PEER_LOST = re.compile(
+    r"closed by peer|reset by peer|broken pipe|remote worker crash|remote process exited|communicator was aborted",
+    re.IGNORECASE,
+)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _ranks(ranks: set[int] | list[int]) -> str:
+    """``rank 2`` or ``ranks 0, 2``."""
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, sorted(ranks)))
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working directory when it lies inside it."""
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+
+def read_reports(run_dir: Path) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The ranks' own reports: status by rank, and failure records oldest first."""
+    found = (_read_json(p) for p in run_dir.glob("status/rank*.json"))
+    statuses = {s["rank"]: s for s in found if s and isinstance(s.get("rank"), int)}
+    failures = [f for p in run_dir.glob("failures/rank*.json") if (f := _read_json(p)) and "rank" in f]
+    return statuses, sorted(failures, key=lambda f: f.get("time", 0.0))
+
+
+def summarise(
+    run_dir: Path,
+    pipeline: int,
+    world: int,
+    *,
+    deaths: list[tuple[float, list[int]]],
+    console: str,
+    mpiexec_code: int,
+) -> list[str]:
+    """Say which rank failed first and why, then who followed, from the run dir and what was seen.
+
+    ``deaths`` are batches of ranks seen dying together (launcher's clock), ``console`` the tail of
+    mpiexec's output. When one rank dies the process manager kills the rest, and gloo makes others
+    raise "Connection closed by peer", so order matters: the earliest event is the cause.
+    """
+    statuses, failures = read_reports(run_dir)
+    died = {r for r, s in statuses.items() if s.get("state") == "running"}  # no clean end, no record
+
+    def where(rank: int) -> tuple[str, str]:
+        stage, replica = placement(rank, pipeline)
+        log = run_dir / "logs" / f"rank{rank}.log"
+        return f"rank {rank} (stage {stage}, replica {replica})", str(_shown(log))
+
+    def death(rank: int) -> str:
+        who, log = where(rank)
+        pid, host = statuses[rank].get("pid"), str(statuses[rank].get("host", "")).split(".")[0]
+        for p, h, how in _DEATH.findall(console):
+            if int(p) == pid and h.split(".")[0] == host and f"(signal {how})" in console:
+                name = signal.Signals(int(how)).name if int(how) in signal.valid_signals() else "?"
+                return f"varuna: {who} was killed by signal {how} ({name}) — log: {log}"
+        try:
+            fatal = re.findall(
+                r"Fatal Python error: ([^\n]+)", Path(log).read_text(errors="replace")[-20000:]
+            )
+        except OSError:
+            fatal = []
+        if fatal:
+            return f"varuna: {who} crashed: Fatal Python error: {fatal[-1]} — log: {log}"
+        return (
+            f"varuna: {who} died without a Python exception (killed, e.g. SIGKILL, or os._exit) — log: {log}"
+        )
+
+    # A peer's "connection closed" is what every survivor raises when one rank dies: never the cause.
+    primary = [f for f in failures if not _PEER_LOST.search(str(f.get("message", "")))]
+    secondary = [f for f in failures if f not in primary]
+    first_dead = next(((t, sorted(set(b) & died)) for t, b in deaths if set(b) & died), None)
+    lines: list[str] = []
+    cause = ""
+    if first_dead and (not primary or first_dead[0] < primary[0].get("time", 0.0)):
+        lines += [death(r) for r in first_dead[1]]
+        cause = _ranks(first_dead[1])
+        died -= set(first_dead[1])
+    for group in (primary, secondary):
+        if group is secondary and secondary and died and not cause:
+            # the survivors say a peer vanished, but we saw nobody die first (another host): name them all
+            lines += [death(r) for r in sorted(died)]
+            cause, died = _ranks(died), set()
+        for f in group:
+            who, log = where(f["rank"])
+            message = (str(f.get("message", "")).strip().splitlines() or [""])[0]
+            lead = f"also failed (after {cause})" if cause else "failed"
+            message = message[:120] + "..." if cause and len(message) > 120 else message[:500]
+            lines.append(f"varuna: {who} {lead}: {f.get('type')}: {message} — log: {log}")
+            cause = cause or f"rank {f['rank']}"
+    if died and cause:
+        lines.append(f"varuna: {_ranks(died)} stopped by mpiexec after {cause}")
+    elif died:
+        lines += [death(r) for r in sorted(died)]
+    if not lines and mpiexec_code != 0:
+        missing = sorted(set(range(world)) - set(statuses))
+        if missing:
+            lines.append(f"varuna: {_ranks(missing)} never started (see the output above)")
+        lines.append(f"varuna: mpiexec exited with code {mpiexec_code} — logs: {_shown(run_dir / 'logs')}")
+    return lines

@@ -1,0 +1,25 @@
+"""The planner: cost tables, the network model, memory, the simulator that times a schedule's
+actions, core sharing, and the search over P x D, micro-batch size and schedule."""
+
+from __future__ import annotations
+
+from varuna._lazy import lazy_exports
+
+_WHERE = {
+    "CostTable": "costs",
+    "SegmentCost": "costs",
+    "NetworkCost": "network",
+    "model_signature": "costs",
+    "simulate": "simulator",
+    "StageCost": "simulator",
+    "Timeline": "simulator",
+    "Sharing": "simulator",
+    "plan": "search",
+    "predict": "search",
+    "PlanResult": "search",
+    "PlanError": "search",
+    "parse_memory": "memory",
+    "format_bytes": "memory",
+}
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

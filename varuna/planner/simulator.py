@@ -1,0 +1,454 @@
+"""Discrete-event simulation of the lowered action lists the runtime executes.
+
+One source of truth for schedules: `simulate` times exactly `lower(make_schedule(...))`, the lists
+`varuna.engine.runtime.StageRuntime` runs, with per-stage compute costs, a transfer time per stage boundary
+and each stage's gradient all-reduce. Rules, as in the runtime:
+
+    F, B, R      take the stage's forward / backward / recompute seconds
+    W            a split backward's weight half (`split_backwards`): W(m) takes the stage's
+                 `weight_share` of its backward seconds and B(m) then only `input_share`
+    SEND_F/B     cost the sender `message_s[kind]` (the runtime's encoding and posting, default 0);
+                 the value arrives after the boundary's transfer time plus `message_s["DELAY_F"]`
+                 (or DELAY_B; default 0) (a link carries one transfer per direction at a time, so
+                 back-to-back sends queue)
+    RECV_F/B     complete at max(now, arrival) + `message_s[kind]` (fetching the data once it is
+                 there, default 0); the wait is idle time
+    ALLREDUCE    takes the stage's all-reduce seconds; the step ends when every stage is done,
+                 plus one small all-reduce (`final_allreduce_s`), plus the slowest stage's
+                 parameter update (`update_s`: gradient norm and optimizer step)
+    opportunistic  (default for "varuna") when the next action is RECV_B(m), that gradient has not
+                 arrived and the next forward's input has (stage 0: always), run that forward's
+                 RECV_F, F, SEND_F first; a value arriving exactly when the stage looks counts as
+                 there, and once the stage waits in RECV_B it waits until that gradient arrives;
+                 with `sees_arrivals=False` (a transport whose receives only report completion
+                 once waited for, as gloo's) the runtime's check never sees a value there: stage 0
+                 pulls every next forward ahead, the other stages never do
+
+For P=2, M=1, f=1, b=2 and a transfer of c on the boundary (times in the picture):
+
+    stage 0 | F0 [0,1]  RECV_B0 waits [1, 4+2c]  B0 [4+2c, 6+2c]
+    stage 1 | RECV_F0 waits [0, 1+c]  F0 [1+c, 2+c]  B0 [2+c, 4+c]      step = 6 + 2c
+
+Shared cores (`Sharing`): on a host with fewer cores than ranks, busy stages slow each other down
+and sent values can arrive later; the simulation then repeats until the durations settle (see
+`varuna.planner.sharing`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from varuna.errors import ScheduleError
+from varuna.planner.sharing import Sharing, _Delays, _shared_updates, _stretch_all
+from varuna.schedule import (
+    WEIGHT_KIND,
+    WORK_KINDS,
+    Action,
+    Schedule,
+    ScheduleName,
+    Span,
+    lower,
+    make_schedule,
+    releasing,
+    split_backwards,
+)
+
+__all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_lowered"]
+
+_MAX_PASSES = 60
+_MESSAGE_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "DELAY_F", "DELAY_B")
+_SETTLED = 1e-6  # relative change of every duration that ends the passes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCost:
+    """Seconds one stage spends on one micro-batch (uniform over micro-batches)."""
+
+    forward_s: float
+    """Forward pass."""
+    backward_s: float
+    """Backward pass."""
+    recompute_s: float | None = None
+    """Recomputed forward before the backward; None means `forward_s`."""
+    input_share: float = 0.6
+    """A split backward's input half (B before its W), as a share of `backward_s`."""
+    weight_share: float = 0.47
+    """A split backward's weight half (W), as a share of `backward_s`. The two shares add up to a
+    little more than 1: splitting costs a second pass over part of the graph. Both measured on
+    the bench GPT's stages on CPU (input 0.59-0.60, weight 0.45-0.48)."""
+
+    def seconds(self, kind: str, *, split: bool = False) -> float:
+        """The cost of a compute action of `kind` ("F", "B", "R" or "W"); `split`: a B whose
+        weight half runs later as W."""
+        if kind == "F":
+            return self.forward_s
+        if kind == "B":
+            return self.backward_s * (self.input_share if split else 1.0)
+        if kind == WEIGHT_KIND:
+            return self.backward_s * self.weight_share
+        return self.forward_s if self.recompute_s is None else self.recompute_s
+
+
+@dataclass(kw_only=True, slots=True)
+class Timeline:
+    """A predicted step: what each stage does when, and where the time goes."""
+
+    schedule: str
+    """Schedule name ("gpipe", "1f1b", "varuna" or "custom")."""
+    num_microbatches: int
+    """Micro-batches per replica in the step."""
+    spans: list[list[Span]]
+    """Per stage, every executed action in execution order (sends as zero-length spans)."""
+    step_s: float
+    """Predicted step time: last stage's all-reduce end plus the final small all-reduce."""
+    busy_s: list[float]
+    """Per stage, seconds of compute (F, B, R)."""
+    allreduce_s: list[float]
+    """Per stage, seconds of its gradient all-reduce."""
+    idle_s: list[float]
+    """Per stage, the rest of the step: waiting for activations, gradients, other stages."""
+    bubble_fraction: float
+    """1 - total compute / (P x step_s)."""
+    peak_inflight: list[int] = field(default_factory=list)
+    """Per stage, the most micro-batches forwarded and not yet backwarded (for a split backward:
+    not yet through its W) at once."""
+    update_s: list[float] = field(default_factory=list)
+    """Per stage, seconds of its parameter update after the final all-reduce (with shared cores)."""
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth P."""
+        return len(self.spans)
+
+    def to_events(self, *, include_comm: bool = True) -> list[dict[str, Any]]:
+        """The spans as plain dicts, for drawing the prediction over a measured timeline.
+
+        One dict per action, ordered by stage then time:
+        `{"stage": 1, "kind": "F", "microbatch": 0, "start": 0.5, "end": 1.5, "predicted": True}`.
+        `kind` is the action kind (F, B, R, SEND_F, RECV_F, SEND_B, RECV_B, ALLREDUCE), as in the
+        runtime's measured spans; times are seconds from the start of the step (align them with a
+        measured step's start); `microbatch` is None for ALLREDUCE. `include_comm=False` keeps only
+        compute and all-reduce spans.
+        """
+        return [
+            {
+                "stage": s,
+                "kind": sp.kind,
+                "microbatch": sp.microbatch,
+                "start": sp.start,
+                "end": sp.end,
+                "predicted": True,
+            }
+            for s, spans in enumerate(self.spans)
+            for sp in spans
+            if include_comm or sp.kind in WORK_KINDS or sp.kind == "ALLREDUCE"
+        ]
+
+
+def _per_stage(values: Sequence[float] | None, n: int, what: str) -> list[float]:
+    if values is None:
+        return [0.0] * n
+    out = [float(v) for v in values]
+    if len(out) != n or any(v < 0 for v in out):
+        raise ScheduleError(f"{what} needs {n} values >= 0 (one per {what.split()[-1]}), got {list(values)}")
+    return out
+
+
+def simulate(
+    schedule_name: ScheduleName,
+    num_stages: int,
+    num_microbatches: int,
+    stage_costs: Sequence[StageCost],
+    *,
+    comm: Sequence[float] | None = None,
+    allreduce_s: Sequence[float] | None = None,
+    final_allreduce_s: float = 0.0,
+    update_s: Sequence[float] | None = None,
+    sharing: Sharing | None = None,
+    message_s: Mapping[str, float] | None = None,
+    sees_arrivals: bool = True,
+    recompute: bool | None = None,
+    opportunistic: bool | None = None,
+    split_backward: bool = False,
+) -> Timeline:
+    """Time one step of `schedule_name` on P stages with M micro-batches.
+
+    `stage_costs[s]` is stage s's per-micro-batch cost; `comm[s]` the seconds to move an activation
+    (or its gradient) across the boundary between stages s and s+1 (P-1 values, default 0);
+    `allreduce_s[s]` stage s's gradient all-reduce (default 0); `update_s[s]` its parameter update
+    after the final all-reduce (default 0); `sharing` makes busy stages slow each other down (see
+    the module docstring); `message_s` maps SEND_F, RECV_F, SEND_B, RECV_B to the seconds the
+    runtime spends per message on top of the transfer (`NetworkCost.message_s`);
+    `sees_arrivals` is `NetworkCost.reports_arrival` (see the module docstring). `recompute` goes
+    to `make_schedule` (None: True for "varuna"); `opportunistic=None` means True for "varuna" only;
+    `split_backward` times the lists `split_backwards` makes (as the engine runs by default).
+
+        >>> t = simulate("gpipe", 2, 2, [StageCost(forward_s=1, backward_s=2)] * 2)
+        >>> t.step_s, t.bubble_fraction
+        (9.0, 0.33333333333333337)
+    """
+    schedule = lower(make_schedule(schedule_name, num_stages, num_microbatches, recompute=recompute))
+    if split_backward:
+        schedule = split_backwards(schedule)
+    return simulate_lowered(
+        schedule,
+        stage_costs,
+        comm=comm,
+        allreduce_s=allreduce_s,
+        final_allreduce_s=final_allreduce_s,
+        update_s=update_s,
+        sharing=sharing,
+        message_s=message_s,
+        sees_arrivals=sees_arrivals,
+        opportunistic=schedule_name == "varuna" if opportunistic is None else opportunistic,
+        name=schedule_name,
+        num_microbatches=num_microbatches,
+    )
+
+
+def simulate_lowered(
+    schedule: Schedule,
+    stage_costs: Sequence[StageCost],
+    *,
+    comm: Sequence[float] | None = None,
+    allreduce_s: Sequence[float] | None = None,
+    final_allreduce_s: float = 0.0,
+    update_s: Sequence[float] | None = None,
+    sharing: Sharing | None = None,
+    message_s: Mapping[str, float] | None = None,
+    sees_arrivals: bool = True,
+    opportunistic: bool = False,
+    name: str = "custom",
+    num_microbatches: int | None = None,
+) -> Timeline:
+    """Time any lowered schedule (as `varuna.schedule.lower` makes); see `simulate`."""
+    num_stages = len(schedule)
+    if len(stage_costs) != num_stages:
+        raise ScheduleError(
+            f"stage_costs has {len(stage_costs)} entries but the schedule has {num_stages} stages"
+        )
+    comm_s = _per_stage(comm, num_stages - 1, "comm seconds per boundary")
+    reduce_s = _per_stage(allreduce_s, num_stages, "allreduce_s per stage")
+    updates = _per_stage(update_s, num_stages, "update_s per stage")
+    messages = dict(message_s or {})
+    if any(k not in _MESSAGE_KINDS or not v >= 0 for k, v in messages.items()):
+        raise ScheduleError(
+            f"message_s = {messages}: give seconds >= 0 for the kinds {', '.join(_MESSAGE_KINDS)}"
+        )
+    if sharing is not None and sharing.replicas < 1:
+        raise ScheduleError(f"Sharing.replicas = {sharing.replicas}; it must be at least 1")
+    if (
+        sharing is not None
+        and sharing.message_cpu_s
+        and (len(sharing.message_cpu_s) != num_stages - 1 or any(not w >= 0 for w in sharing.message_cpu_s))
+    ):
+        raise ScheduleError(
+            f"Sharing.message_cpu_s = {list(sharing.message_cpu_s)}: give {num_stages - 1} seconds >= 0, "
+            "one per stage boundary, or () for none"
+        )
+    shared = sharing is not None and sharing.matters(num_stages)
+    durations: dict[tuple[int, str, int], float] = {}
+    change, step = float("inf"), 1.0
+    delay = None
+    if sharing is not None and sharing.delivery:
+        messages = {k: v for k, v in messages.items() if not k.startswith("DELAY")}
+        delay = _Delays(sharing, None)
+    previous_delays: list[float] | None = None
+    for _ in range(_MAX_PASSES if shared else 1):
+        sim = _Simulation(
+            schedule, stage_costs, comm_s, reduce_s, opportunistic, durations, messages, sees_arrivals, delay
+        )
+        sim.run()
+        moved = False
+        if delay is not None:
+            assert sharing is not None
+            used, delay = delay.used, _Delays(sharing, sim.spans)
+            moved = used != previous_delays
+            previous_delays = used
+        if not shared:
+            break
+        assert sharing is not None
+        stretched = _stretch_all(sim.spans, sim.work, sharing)
+        last, change = (
+            change,
+            max(
+                (abs(d - durations[k]) / max(d, 1e-12) if k in durations else float("inf"))
+                for k, d in stretched.items()
+            ),
+        )
+        if change <= _SETTLED and not moved:
+            break
+        if (
+            change >= last and change > _SETTLED
+        ):  # not shrinking: swinging between two overlaps; take smaller steps
+            step = max(step / 2, 0.125)
+        durations = {k: durations.get(k, d) + step * (d - durations.get(k, d)) for k, d in stretched.items()}
+    update_end = _shared_updates(updates, sharing) if shared and sharing is not None else updates
+    ends = [spans[-1].end if spans else 0.0 for spans in sim.spans]
+    step = max(ends, default=0.0) + final_allreduce_s + max(update_end, default=0.0)
+    busy = [sum(sp.end - sp.start for sp in spans if sp.kind in WORK_KINDS) for spans in sim.spans]
+    reduce = [sum(sp.end - sp.start for sp in spans if sp.kind == "ALLREDUCE") for spans in sim.spans]
+    if num_microbatches is None:
+        num_microbatches = sum(1 for a in schedule[0] if a.kind == "F")
+    return Timeline(
+        schedule=name,
+        num_microbatches=num_microbatches,
+        spans=sim.spans,
+        step_s=step,
+        busy_s=busy,
+        allreduce_s=reduce,
+        idle_s=[step - b - r for b, r in zip(busy, reduce)],
+        bubble_fraction=1.0 - sum(busy) / (num_stages * step) if step > 0 else 0.0,
+        peak_inflight=[_peak_inflight(spans) for spans in sim.spans],
+        update_s=update_end,
+    )
+
+
+def _peak_inflight(spans: list[Span]) -> int:
+    frees = releasing(spans)
+    held = peak = 0
+    for sp in spans:
+        held += (sp.kind == "F") - ((sp.kind, sp.microbatch) in frees)
+        peak = max(peak, held)
+    return peak
+
+
+class _Simulation:
+    """Advances each stage through its list; a stage stops where it must wait for another one.
+
+    A stage decides at its own clock t. "Has gradient m arrived by t?" is known once the sender has
+    sent it, or once the sender's clock plus the transfer already passes t (it can only send later).
+    Otherwise the stage is undecided and other stages run first. If every unfinished stage is
+    blocked or undecided, nothing more can be sent before the earliest undecided clock, so that
+    stage decides "not arrived": it pulls a forward whose input is here, or commits to its RECV_B.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        costs: Sequence[StageCost],
+        comm: list[float],
+        allreduce: list[float],
+        opportunistic: bool,
+        durations: Mapping[tuple[int, str, int], float] | None = None,
+        messages: Mapping[str, float] | None = None,
+        sees_arrivals: bool = True,
+        delay: _Delays | None = None,
+    ) -> None:
+        self.messages = messages or {}
+        self.delay = delay
+        self.sees_arrivals = sees_arrivals
+        self.queues = [list(schedule[s]) for s in range(len(schedule))]
+        self.costs = costs
+        self.durations = durations or {}
+        self.comm = comm
+        self.allreduce = allreduce
+        self.opportunistic = opportunistic
+        self.clock = [0.0] * len(schedule)
+        self.spans: list[list[Span]] = [[] for _ in schedule]
+        self.arrival: dict[tuple[str, int, int], float] = {}  # (kind, receiving stage, mb) -> time
+        self.link_free: dict[tuple[str, int], float] = {}
+        self.committed: set[int] = set()  # stages decided to wait in their head RECV_B
+        self.split = {
+            (s, a.microbatch) for s, actions in schedule.items() for a in actions if a.kind == WEIGHT_KIND
+        }
+
+    def work(self, s: int, kind: str, m: int) -> float:
+        """Lone-compute seconds of stage s's action `kind` on micro-batch m."""
+        return self.costs[s].seconds(kind, split=kind == "B" and (s, m) in self.split)
+
+    def run(self) -> None:
+        while True:
+            progressed, undecided = False, []
+            for s in range(len(self.queues)):
+                while self.queues[s]:
+                    outcome = self._step(s, force=False)
+                    if outcome == "undecided":
+                        undecided.append(s)
+                    if outcome != "done":
+                        break
+                    progressed = True
+            if not any(self.queues):
+                return
+            if not progressed:
+                if not undecided:
+                    waiting = "; ".join(f"stage {s} at {q[0]}" for s, q in enumerate(self.queues) if q)
+                    raise ScheduleError(
+                        f"simulation deadlocked: {waiting}; check the schedule with validate()"
+                    )
+                first = min(undecided, key=lambda s: (self.clock[s], s))
+                self._step(first, force=True)
+
+    def _state(self, kind: str, s: int, m: int, t: float) -> str:
+        """Whether value (kind, m) bound for stage s is there at time t: "yes", "no" or "unknown"."""
+        key = (kind, s, m)
+        if key in self.arrival:
+            return "yes" if self.arrival[key] <= t else "no"
+        sender, boundary = (s - 1, s - 1) if kind == "F" else (s + 1, s)
+        return "no" if self.clock[sender] + self.comm[boundary] > t else "unknown"
+
+    def _next_forward(self, s: int, t: float) -> tuple[str, list[Action]]:
+        """The runtime's `_forward_ready`: the next forward group and whether its input is here."""
+        queue = self.queues[s]
+        for i, a in enumerate(queue):
+            if a.kind == "F":
+                group = [a]
+                if i > 0 and queue[i - 1].kind == "RECV_F":
+                    group.insert(0, queue[i - 1])
+                if i + 1 < len(queue) and queue[i + 1].kind == "SEND_F":
+                    group.append(queue[i + 1])
+                ready = "yes" if s == 0 else self._state("F", s, a.microbatch or 0, t)
+                return ready, group
+        return "no", []
+
+    def _step(self, s: int, *, force: bool) -> str:
+        """Run stage s's next action (or pulled-ahead group): "done", "blocked" or "undecided"."""
+        head, t = self.queues[s][0], self.clock[s]
+        if self.opportunistic and head.kind == "RECV_B" and s not in self.committed:
+            grad = self._state("B", s, head.microbatch or 0, t) if self.sees_arrivals else "no"
+            if grad != "yes":
+                ahead, group = self._next_forward(s, t)
+                if not self.sees_arrivals and s > 0:
+                    ahead = "no"
+                if force:  # nothing unsent can arrive by t (see the class docstring)
+                    grad, ahead = "no", "yes" if ahead == "yes" else "no"
+                if ahead == "unknown" or (grad == "unknown" and ahead == "yes"):
+                    return "undecided"
+                if ahead == "yes":
+                    for a in group:
+                        self.queues[s].remove(a)
+                        self._execute(s, a)
+                    return "done"
+                self.committed.add(s)
+        if head.kind in ("RECV_F", "RECV_B") and (head.kind[-1], s, head.microbatch or 0) not in self.arrival:
+            return "blocked"
+        self.committed.discard(s)
+        self._execute(s, self.queues[s].pop(0))
+        return "done"
+
+    def _execute(self, s: int, a: Action) -> None:
+        t = self.clock[s]
+        m = a.microbatch or 0
+        end = t
+        if a.kind in WORK_KINDS:
+            end = t + self.durations.get((s, a.kind, m), self.work(s, a.kind, m))
+        elif a.kind == "ALLREDUCE":
+            end = t + self.allreduce[s]
+        elif a.kind in ("RECV_F", "RECV_B"):
+            end = max(t, self.arrival[(a.kind[-1], s, m)]) + self.messages.get(a.kind, 0.0)
+        else:  # SEND_F / SEND_B: queue on the link, arrive after the transfer
+            cost = self.delay.send(a.kind, s, t) if self.delay is not None else None
+            end = t + (self.messages.get(a.kind, 0.0) if cost is None else cost)
+            to, boundary = (s + 1, s) if a.kind == "SEND_F" else (s - 1, s - 1)
+            link = (a.kind, boundary)
+            start = max(end, self.link_free.get(link, 0.0))
+            self.link_free[link] = start + self.comm[boundary]
+            if self.delay is not None:
+                extra = self.delay(a.kind[-1], s, start)
+            else:
+                extra = self.messages.get("DELAY" + a.kind[-2:], 0.0)
+            self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + extra
+        self.spans[s].append(Span(a.kind, a.microbatch, t, end))
+        self.clock[s] = end

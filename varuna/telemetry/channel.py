@@ -1,0 +1,118 @@
+"""The controller's end of the signed ZeroMQ channel: PULL for events, PUB for commands.
+
+Both sockets bind on one interface (loopback by default; ``"*"`` or ``"0.0.0.0"`` for every
+interface, advertised to the workers by this host's name) and their addresses and the job's key
+go to ``RUN_DIR/controller.json`` (0600), so a later controller can bind the same addresses and
+the workers' sockets, which reconnect by themselves, find it. A background thread verifies every
+message and hands the good ones to ``on_event``; the rest are counted in ``dropped``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from varuna.telemetry import events as _events
+
+__all__ = ["Channel"]
+
+
+def _bind_again(sock: Any, address: str, wait_s: float = 5.0) -> None:
+    """Bind `sock` to the fixed `address` a closed channel had. zmq releases a closed socket's
+    listener in its I/O thread, after `close()` has returned, so binding right after a close can
+    find the address still in use: try again until `wait_s` has passed, then raise."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+class Channel:
+    """Bound sockets and the receiver thread; `send` publishes a signed command to every rank."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        key: str,
+        on_event: Callable[[dict[str, Any]], Any],
+        *,
+        interface: str = "127.0.0.1",
+        events: str | None = None,
+        commands: str | None = None,
+    ) -> None:
+        self.key = key
+        self.dropped = 0
+        self._on_event = on_event
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        host = "*" if interface in ("*", "0.0.0.0") else interface
+        shown = socket.getfqdn() if host == "*" else host
+        ctx: Any = zmq.Context.instance()
+        self._pull, self._pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+        addresses = []
+        try:
+            for sock, address in ((self._pull, events), (self._pub, commands)):
+                sock.setsockopt(zmq.LINGER, 0)
+                if address is not None:
+                    _bind_again(sock, address.replace(shown, host, 1) if host == "*" else address)
+                else:
+                    sock.bind_to_random_port(f"tcp://{host}")
+                bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                addresses.append(address or bound.replace("0.0.0.0", shown))
+        except zmq.ZMQError:
+            self._pull.close(linger=0)
+            self._pub.close(linger=0)
+            raise
+        self.events_address, self.commands_address = addresses
+        info = {
+            "events": self.events_address,
+            "commands": self.commands_address,
+            "key": key,
+            "pid": os.getpid(),
+        }
+        _events.write_controller_info(run_dir, info)
+        self._thread = threading.Thread(target=self._receive, daemon=True, name="varuna-events")
+        self._thread.start()
+
+    def _receive(self) -> None:
+        key = bytes.fromhex(self.key)
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._closing.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    frames = self._pull.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                event = _events.decode(key, frames)
+                if event is None:
+                    self.dropped += 1
+                else:
+                    self._on_event(event)
+
+    def send(self, cmd: str, **fields: Any) -> None:
+        """Publish the command `cmd` (signed) to every subscribed rank."""
+        message = _events.encode(bytes.fromhex(self.key), {"cmd": cmd, "time": time.time(), **fields})
+        with self._lock:
+            self._pub.send_multipart(message)
+
+    def close(self) -> None:
+        """Stop the receiver and close both sockets."""
+        self._closing.set()
+        self._thread.join(timeout=1.0)
+        self._pull.close(linger=0)
+        self._pub.close(linger=0)
