@@ -78,7 +78,36 @@ def test_action_round_trips_every_kind(kind: str) -> None:
 def test_kinds() -> None:
     assert KINDS == ("F", "B", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "W")
     assert COMPUTE_KINDS + COMM_KINDS + ("ALLREDUCE", WEIGHT_KIND) == KINDS
-    assert SCHEDULES == ("gpipe", "1f1b", "varuna")
+    assert tuple(SCHEDULES) == ("gpipe", "1f1b", "varuna")
+
+
+def test_the_registry_holds_each_schedules_behaviour() -> None:
+    """Behaviour is read from the entry, never from the name: a new schedule is one entry."""
+    from varuna.schedule import ScheduleSpec, build_schedule, schedule_spec
+
+    assert schedule_spec("varuna").recompute and schedule_spec("varuna").pull_ahead
+    assert not schedule_spec("1f1b").recompute and not schedule_spec("gpipe").pull_ahead
+    assert all(s.chunks_per_rank == 1 and s.split_backward for s in SCHEDULES.values())
+    with pytest.raises(
+        ScheduleError, match=r"unknown schedule 'zb'; choose one of 'gpipe', '1f1b', 'varuna'"
+    ):
+        schedule_spec("zb")
+
+    # an entry is all it takes: 1F1B with one more forward in flight, registered for this test only
+    def eager(stage: int, P: int, M: int) -> list[Action]:
+        warmup = min(P - stage, M)
+        out = [Action(stage, "F", m) for m in range(warmup)]
+        for m in range(warmup, M):
+            out += [Action(stage, "B", m - warmup), Action(stage, "F", m)]
+        return out + [Action(stage, "B", m) for m in range(max(M - warmup, 0), M)]
+
+    SCHEDULES["test-eager"] = ScheduleSpec(order=eager)
+    try:
+        assert [str(a) for a in make_schedule("test-eager", 2, 4)[0]][:4] == ["0F0", "0F1", "0B0", "0F2"]
+        lowered = build_schedule("test-eager", 2, 4)
+        assert sum(a.kind == "W" for a in lowered[1]) == 2  # the split backward applies to it too
+    finally:
+        del SCHEDULES["test-eager"]
 
 
 @pytest.mark.parametrize(

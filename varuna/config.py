@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from varuna.errors import ConfigError
-from varuna.schedule import SCHEDULES
+from varuna.schedule import SCHEDULES, schedule_spec
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """The precisions an engine trains in (`varuna.engine.precision` applies them)."""
@@ -113,4 +113,4 @@ class VarunaConfig:
 
     @property
     def uses_recompute(self) -> bool:
-        return self.schedule == "varuna" if self.recompute is None else self.recompute
+        return schedule_spec(self.schedule).recompute if self.recompute is None else self.recompute

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from varuna import Varuna
 from varuna.data import SyntheticLM, collate
 from varuna.models import GPT, GPTConfig, count_parameters, gpt_demo
+from varuna.schedule import SCHEDULES
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -30,7 +31,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "varuna"])
+    ap.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument(

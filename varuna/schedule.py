@@ -20,12 +20,17 @@ without keeping activations and recomputes them (`R`) right before the backward 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from varuna.errors import ScheduleError
 
 __all__ = [
+    "ScheduleSpec",
+    "SCHEDULES",
+    "schedule_spec",
+    "build_schedule",
     "Action",
     "Span",
     "COMPUTE_KINDS",
@@ -56,7 +61,6 @@ WEIGHT_KIND = "W"
 WORK_KINDS = COMPUTE_KINDS + (WEIGHT_KIND,)
 """The kinds that keep a stage's processor busy."""
 KINDS = COMPUTE_KINDS + COMM_KINDS + ("ALLREDUCE", WEIGHT_KIND)
-SCHEDULES = ("gpipe", "1f1b", "varuna")
 ScheduleName = Literal["gpipe", "1f1b", "varuna"]
 
 _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+)(\d*)$")
@@ -112,9 +116,10 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         )
 
 
-def _check_name(name: str) -> None:
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(map(repr, SCHEDULES))}")
+def _gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    return [Action(stage, "F", m) for m in range(num_microbatches)] + [
+        Action(stage, "B", m) for m in range(num_microbatches)
+    ]
 
 
 def _one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -128,28 +133,86 @@ def _one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Act
     return actions
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduleSpec:
+    """What a schedule is. The engine, the runtime, the simulator, the planner and morphing read
+    these fields; nothing compares a schedule's name. Adding a schedule is one `SCHEDULES` entry
+    and its order function."""
+
+    order: Callable[[int, int, int], list[Action]]
+    """(stage, P, M) -> that stage's forwards and backwards in order."""
+    recompute: bool = False
+    """Non-last stages keep no activations and recompute each micro-batch just before its backward
+    (the default of `recompute=None`)."""
+    pull_ahead: bool = False
+    """The runtime (and the simulator) pulls the next forward ahead while a gradient is late."""
+    split_backward: bool = True
+    """Stages after the first may compute their first and last backward in two halves (B, then W);
+    the engine's `split_backward` option turns it off for every schedule."""
+    chunks_per_rank: int = 1
+    """Model chunks a rank holds (virtual stages); 1 for every schedule so far."""
+    about: str = ""
+    """One line for people."""
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(order=_gpipe, about="all forwards, then all backwards"),
+    "1f1b": ScheduleSpec(
+        order=_one_f_one_b, about="one forward, one backward: at most P micro-batches in flight"
+    ),
+    "varuna": ScheduleSpec(
+        order=_one_f_one_b,
+        recompute=True,
+        pull_ahead=True,
+        about="1F1B that recomputes activations just in time and pulls forwards into its bubbles",
+    ),
+}
+"""Every schedule by name."""
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registry entry of `name`; ScheduleError naming the choices for an unknown one."""
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(map(repr, SCHEDULES))}")
+    return spec
+
+
+def build_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    recompute: bool | None = None,
+    split_backward: bool = True,
+) -> Schedule:
+    """The lowered, validated action lists the runtime executes and the simulator times: the
+    compute order, recompute, communication, the all-reduce and (where the schedule allows and
+    `split_backward` is set) the split backward. The one place a lowered schedule is assembled."""
+    spec = schedule_spec(name)
+    lowered = lower(make_schedule(name, num_stages, num_microbatches, recompute=recompute))  # type: ignore[arg-type]
+    if split_backward and spec.split_backward:
+        lowered = split_backwards(lowered)
+    validate(lowered, num_stages, num_microbatches)
+    return lowered
+
+
 def make_schedule(
     name: ScheduleName, num_stages: int, num_microbatches: int, *, recompute: bool | None = None
 ) -> Schedule:
     """Return each stage's compute order (F, B, R) for one step of schedule `name`.
 
-    `recompute=None` means True for "varuna" and False otherwise; when True, every non-last stage
-    recomputes micro-batch m (`R`) immediately before its backward `B`.
+    `recompute=None` means the schedule's default (`ScheduleSpec.recompute`); when True, every
+    non-last stage recomputes micro-batch m (`R`) immediately before its backward `B`.
 
         >>> [str(a) for a in make_schedule("1f1b", 2, 4)[0]]
         ['0F0', '0F1', '0B0', '0F2', '0B1', '0F3', '0B2', '0B3']
     """
-    _check_name(name)
+    spec = schedule_spec(name)
     _check_sizes(num_stages, num_microbatches)
-    schedule: Schedule = {}
-    for s in range(num_stages):
-        if name == "gpipe":
-            schedule[s] = [Action(s, "F", m) for m in range(num_microbatches)]
-            schedule[s] += [Action(s, "B", m) for m in range(num_microbatches)]
-        else:
-            schedule[s] = _one_f_one_b(s, num_stages, num_microbatches)
+    schedule: Schedule = {s: spec.order(s, num_stages, num_microbatches) for s in range(num_stages)}
     if recompute is None:
-        recompute = name == "varuna"
+        recompute = spec.recompute
     return add_recompute(schedule, range(num_stages - 1)) if recompute else schedule
 
 
@@ -437,6 +500,6 @@ def bubble_fraction(name: ScheduleName, num_stages: int, num_microbatches: int) 
     each stage works M*(f+b) in a step of (M+P-1)*(f+b). The schedules differ in memory, not in
     this bubble; recompute's extra forward is left out (the planner's simulator times it).
     """
-    _check_name(name)
+    schedule_spec(name)
     _check_sizes(num_stages, num_microbatches)
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

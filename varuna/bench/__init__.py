@@ -23,7 +23,8 @@ def log(msg: str) -> None:
 
 
 def bench_env(timeout_s: int) -> dict[str, str]:
-    """The environment of a measured job: one thread, this checkout importable, a collective timeout."""
+    """The environment of a measured job: one thread, this very `varuna` importable (from a source
+    tree or an installed package alike: the folder that holds it), a collective timeout."""
     path = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,

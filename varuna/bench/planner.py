@@ -57,7 +57,7 @@ from varuna.bench import log, print_report, require_positive
 from varuna.bench._planner_worker import foreign_cores, host_busy_s, wait_quiet
 from varuna.bench.pipeline import _run_job
 from varuna.errors import ConfigError, LaunchError
-from varuna.schedule import ScheduleName
+from varuna.schedule import ScheduleName, schedule_spec
 
 __all__ = ["PlannerBench", "full", "quick", "run", "spearman", "summarize", "format_table"]
 
@@ -130,7 +130,12 @@ class PlannerBench:
             for m in self.micro_batch_sizes:
                 for s in self.schedules:
                     M = self.global_batch_size // (D * m)
-                    same = (P, D, m, _runs_as(cast(ScheduleName, s), P, M, s == "varuna" and P > 1))
+                    same = (
+                        P,
+                        D,
+                        m,
+                        _runs_as(cast(ScheduleName, s), P, M, schedule_spec(s).recompute and P > 1),
+                    )
                     if same not in seen:
                         seen.add(same)
                         out.append((P, D, m, s))
@@ -285,7 +290,7 @@ def _choose(bench: PlannerBench, table: Any) -> list[dict[str, Any]]:
     out = []
     for P, D, m, s in bench.configs():
         result = plan(table, gpus=P * D, memory_bytes="1TiB", global_batch_size=bench.global_batch_size,
-                      schedules=(cast(ScheduleName, s),), recompute_options=(s == "varuna",),
+                      schedules=(cast(ScheduleName, s),), recompute_options=(schedule_spec(s).recompute,),
                       micro_batch_sizes=(m,), pipelines=(P,))  # fmt: skip
         c = result.best
         out.append({"pipeline": P, "data": D, "micro_batch_size": m, "schedule": s, "recompute": c.recompute,

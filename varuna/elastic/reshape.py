@@ -13,6 +13,7 @@ from typing import Any
 
 from varuna.elastic.protocol import Shape
 from varuna.errors import ConfigError
+from varuna.schedule import schedule_spec
 
 __all__ = ["ShapeChoice", "choose_shape", "shape_for_gpus"]
 
@@ -96,7 +97,7 @@ def shape_for_gpus(run_dir: Path, gpus: int) -> ShapeChoice:
         fixed = Fixed(
             micro_batch_size=info["micro_batch_size"],
             schedule=info["schedule"],
-            recompute=info["schedule"] == "varuna" if recompute is None else recompute,
+            recompute=schedule_spec(info["schedule"]).recompute if recompute is None else recompute,
         )
     result = plan_for(
         table,

@@ -43,7 +43,7 @@ from varuna.engine.precision import LossScaler, autocast_policy
 from varuna.engine.runtime import StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError
 from varuna.planner.costs import model_signature
-from varuna.schedule import Action, lower, make_schedule, split_backwards, validate
+from varuna.schedule import Action, build_schedule, schedule_spec
 from varuna.telemetry.recorder import Telemetry  # telemetry
 
 __all__ = ["Varuna"]
@@ -150,11 +150,9 @@ class Varuna:
             if self.stage in g.stages
         ]
 
-        compute = make_schedule(cfg.schedule, P, cfg.num_microbatches, recompute=cfg.recompute)  # type: ignore[arg-type]
-        lowered = lower(compute)
-        if cfg.split_backward:
-            lowered = split_backwards(lowered)
-        validate(lowered, P, cfg.num_microbatches)
+        lowered = build_schedule(
+            cfg.schedule, P, cfg.num_microbatches, recompute=cfg.recompute, split_backward=cfg.split_backward
+        )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
         prev_rank = self.rank - 1 if self.stage > 0 else None
@@ -174,7 +172,7 @@ class Varuna:
             p2p=self._p2p,
             autocast=self.autocast,
             recompute=cfg.uses_recompute,
-            opportunistic=cfg.schedule == "varuna",
+            opportunistic=schedule_spec(cfg.schedule).pull_ahead,
             where=self.where,
         )
         self.optimizer: torch.optim.Optimizer | None = None
@@ -208,7 +206,8 @@ class Varuna:
             self.resumed_from, self.resume_info = self._resume_path, resumed.info
         if self.rank == 0 and cfg.run_dir is not None:
             self._write_engine_info()
-        self._telemetry = Telemetry.attach(self)  # telemetry: hello, ready; observes the runtime
+        self._telemetry = Telemetry.attach(self)  # telemetry: hello, ready
+        self._runtime.observer = self._telemetry  # told of each step and send
 
     # construction ------------------------------------------------------------------------------
     def _example(self, example_batch: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -19,11 +19,12 @@ so a stage fills its own bubble instead of idling.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from varuna.engine.backward import WeightGrads, input_grads_first
 from varuna.errors import PartitionError
 from varuna.schedule import WEIGHT_KIND, Action, Span
 
-__all__ = ["StageRuntime", "StepTimes", "Span"]
+__all__ = ["StageRuntime", "StepTimes", "Span", "Observer"]
 
 
 @dataclass(slots=True)
@@ -49,6 +50,33 @@ class StepTimes:
     spans: list[Span] = field(default_factory=list)
     split: int = 0
     """Backwards that ran as an input half (B) and a weight half (W) (see `split_backwards`)."""
+
+
+class Observer(Protocol):
+    """What the runtime tells whoever watches it (the engine's telemetry), through calls it makes
+    itself: nothing of the runtime is replaced while it runs.
+
+        with observer.step():              # around one step's actions (exceptions pass through)
+            ... observer.on_send("SEND_F", m, nbytes) after each send
+    """
+
+    def step(self) -> AbstractContextManager[object]:
+        """A context around one step's actions."""
+        ...
+
+    def on_send(self, kind: str, microbatch: int, nbytes: int) -> None:
+        """`kind` ("SEND_F" or "SEND_B") of micro-batch `microbatch` put `nbytes` on the wire."""
+        ...
+
+
+class _Unobserved:
+    """The observer of a runtime nobody watches."""
+
+    def step(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def on_send(self, kind: str, microbatch: int, nbytes: int) -> None:
+        pass
 
 
 class _StageDone(BaseException):
@@ -133,6 +161,8 @@ class StageRuntime:
         self.recompute = recompute and not self.last
         self.opportunistic = opportunistic
         self.where = where
+        self.observer: Observer = _Unobserved()
+        """Told of each step and each send; the engine sets its telemetry here."""
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._stand_ins = stand_in_context(
             stage, cut_names[start_cut] if start_cut is not None else None, names
@@ -148,6 +178,16 @@ class StageRuntime:
         allreduce: Callable[[], None],
     ) -> tuple[list[torch.Tensor], StepTimes]:
         """Run the step's actions; returns the detached micro-batch losses (last stage) and times."""
+        with self.observer.step():
+            return self._actions(actions, micro, loss_coef, allreduce)
+
+    def _actions(
+        self,
+        actions: list[Action],
+        micro: Sequence[Mapping[str, Any]],
+        loss_coef: float,
+        allreduce: Callable[[], None],
+    ) -> tuple[list[torch.Tensor], StepTimes]:
         self.micro = micro
         self.loss_coef = loss_coef
         self.allreduce = allreduce
@@ -227,7 +267,9 @@ class StageRuntime:
             self.outputs[m] = result
 
     def _do_SEND_F(self, m: int) -> None:
+        before = self.p2p.bytes_sent
         self.p2p.send_activation(m, self.outputs[m])
+        self.observer.on_send("SEND_F", m, self.p2p.bytes_sent - before)
         if self.recompute:
             del self.outputs[m]
 
@@ -278,7 +320,9 @@ class StageRuntime:
         return True
 
     def _do_SEND_B(self, m: int) -> None:
+        before = self.p2p.bytes_sent
         self.p2p.send_grad(m, self.inputs.pop(m))
+        self.observer.on_send("SEND_B", m, self.p2p.bytes_sent - before)
 
     def _do_W(self, m: int) -> None:
         weights = self.weights.pop(m, None)

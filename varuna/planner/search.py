@@ -34,7 +34,7 @@ from varuna.errors import PlanError
 from varuna.planner.costs import CostTable
 from varuna.planner.memory import _memory, format_bytes, parse_memory
 from varuna.planner.simulator import Sharing, StageCost, Timeline, simulate
-from varuna.schedule import SCHEDULES, ScheduleName, lower, make_schedule, split_backwards
+from varuna.schedule import SCHEDULES, ScheduleName, build_schedule, schedule_spec
 
 __all__ = [
     "PlanError",
@@ -225,7 +225,7 @@ def plan(
     gpus: int,
     memory_bytes: int | str,
     global_batch_size: int,
-    schedules: Sequence[ScheduleName] = ("gpipe", "1f1b", "varuna"),
+    schedules: Sequence[ScheduleName] | None = None,
     recompute_options: Sequence[bool] = (False, True),
     model_signature: str | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
@@ -251,6 +251,8 @@ def plan(
             f"a profile from another model: the profile's model signature is {table.model_signature}, "
             f"this model's is {model_signature}; re-run `varuna profile` for this model"
         )
+    if schedules is None:
+        schedules = tuple(SCHEDULES)  # type: ignore[arg-type]
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown or not schedules:
         raise PlanError(f"unknown schedules {unknown or '(none given)'}; choose from {', '.join(SCHEDULES)}")
@@ -395,8 +397,11 @@ def predict(
 def _runs_as(schedule: ScheduleName, pipeline: int, microbatches: int, recompute: bool) -> tuple[Any, ...]:
     """What the runtime does for `schedule` at a shape: its lowered action lists, and whether it
     pulls forwards ahead (Varuna's, with a stage to wait for)."""
-    lowered = split_backwards(lower(make_schedule(schedule, pipeline, microbatches, recompute=recompute)))
-    return (tuple(tuple(lowered[s]) for s in sorted(lowered)), schedule == "varuna" and pipeline > 1)
+    lowered = build_schedule(schedule, pipeline, microbatches, recompute=recompute)
+    return (
+        tuple(tuple(lowered[s]) for s in sorted(lowered)),
+        schedule_spec(schedule).pull_ahead and pipeline > 1,
+    )
 
 
 def _evaluate(

@@ -49,10 +49,9 @@ from varuna.schedule import (
     Schedule,
     ScheduleName,
     Span,
-    lower,
-    make_schedule,
+    build_schedule,
     releasing,
-    split_backwards,
+    schedule_spec,
 )
 
 __all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_lowered"]
@@ -182,16 +181,17 @@ def simulate(
     the module docstring); `message_s` maps SEND_F, RECV_F, SEND_B, RECV_B to the seconds the
     runtime spends per message on top of the transfer (`NetworkCost.message_s`);
     `sees_arrivals` is `NetworkCost.reports_arrival` (see the module docstring). `recompute` goes
-    to `make_schedule` (None: True for "varuna"); `opportunistic=None` means True for "varuna" only;
+    to `make_schedule` (None: the schedule's `ScheduleSpec.recompute`); `opportunistic=None` means
+    the schedule's `ScheduleSpec.pull_ahead`;
     `split_backward` times the lists `split_backwards` makes (as the engine runs by default).
 
         >>> t = simulate("gpipe", 2, 2, [StageCost(forward_s=1, backward_s=2)] * 2)
         >>> t.step_s, t.bubble_fraction
         (9.0, 0.33333333333333337)
     """
-    schedule = lower(make_schedule(schedule_name, num_stages, num_microbatches, recompute=recompute))
-    if split_backward:
-        schedule = split_backwards(schedule)
+    schedule = build_schedule(
+        schedule_name, num_stages, num_microbatches, recompute=recompute, split_backward=split_backward
+    )
     return simulate_lowered(
         schedule,
         stage_costs,
@@ -202,7 +202,7 @@ def simulate(
         sharing=sharing,
         message_s=message_s,
         sees_arrivals=sees_arrivals,
-        opportunistic=schedule_name == "varuna" if opportunistic is None else opportunistic,
+        opportunistic=schedule_spec(schedule_name).pull_ahead if opportunistic is None else opportunistic,
         name=schedule_name,
         num_microbatches=num_microbatches,
     )

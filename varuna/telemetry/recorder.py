@@ -7,9 +7,10 @@
 The engine makes three calls: `Telemetry.attach(engine)` at the end of construction (emits
 `hello` and `ready`), `poll()` before the per-step all-reduce (rank 0's `checkpoint`/`stop`
 commands ride that all-reduce, so every rank acts on the same step) and `on_step(loss, times)`.
-Everything else is observed without touching the runtime's code: `attach` wraps the runtime's
-`run` (to count the bytes autograd saves for backward on sampled steps, and to report an exception
-as an `error` event), the two P2P send methods (bytes per send) and adds optimizer step hooks.
+It is also the runtime's observer (`varuna.engine.runtime.Observer`, which the engine sets): the
+runtime calls `step()` around each step's actions (to count the bytes autograd saves for backward
+on sampled steps, and to report an exception as an `error` event) and `on_send` after each send;
+`attach` adds optimizer step hooks.
 
 Environment: ``VARUNA_TELEMETRY=0`` turns it off; ``VARUNA_TELEMETRY_SPANS_EVERY=N`` records the
 spans of every N-th step (default 1) and ``VARUNA_TELEMETRY_MIN_INTERVAL_S`` at most one spans
@@ -23,7 +24,7 @@ per process.
 
 Pausing: ``paused = True`` (or the controller's ``set(paused=True)``, acted on by every rank at its
 next step) records, logs and sends nothing per step until resumed; lifecycle events and commands
-still go through. What stays is a few Python calls a step (the wrappers, `poll`: ~10 us), so
+still go through. What stays is a few Python calls a step (the observer's, `poll`), so
 `python -m varuna.bench telemetry` uses it as the "off" of its on/off comparison. What "on" costs
 a rank of that bench's GPT stage, measured: ~0.2 ms a step, nearly all in the two events (each
 JSON-encoded for the log and again for the signed message, then sent).
@@ -31,13 +32,14 @@ JSON-encoded for the log and again for the signed message, then sent).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +130,6 @@ class Telemetry:
             self._connect(address, os.environ.get("VARUNA_COMMANDS"), os.environ.get("VARUNA_EVENTS_KEY", ""))
         self._param_ptrs = {p.untyped_storage().data_ptr() for _, p in engine.named_parameters()}
         self._params_bytes = sum(p.numel() * p.element_size() for p in engine.parameters())
-        self._observe(engine)
         cfg = engine.config
         self.emit(
             "hello",
@@ -161,42 +162,35 @@ class Telemetry:
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
             self._sub.connect(commands)
 
-    def _observe(self, engine: Any) -> None:
-        """Wrap the runtime's `run` and the P2P sends of this engine (instance attributes only)."""
-        runtime, p2p = engine._runtime, engine._p2p
-        run = runtime.run
+    # the runtime's observer (`varuna.engine.runtime.Observer`) -------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one step's actions: decide what this step records, count the bytes autograd saves
+        for backward on counting steps, report an exception as an `error` event."""
+        engine = self._engine
+        step = engine.step_count + 1 if engine is not None else 0
+        self._sampled = self._should_sample(step)
+        # `paused` as the step starts holds for the whole step (a `set` lands in the middle)
+        self._recording = recording = self.enabled and not self.paused
+        self._recorded += recording
+        self._counting = recording and (self._recorded == 1 or self._recorded % self.memory_every == 0)
+        self._packs, self._seen = [], set()
+        try:
+            if self._counting:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                    yield
+            else:
+                yield
+        except BaseException as exc:
+            if not isinstance(exc, SystemExit):
+                self.error(exc)
+            raise
+        finally:
+            self._run_end = time.perf_counter()
 
-        def observed_run(*args: Any, **kwargs: Any) -> Any:
-            step = engine.step_count + 1
-            self._sampled = self._should_sample(step)
-            # `paused` as the step starts holds for the whole step (a `set` lands in the middle)
-            self._recording = recording = self.enabled and not self.paused
-            self._recorded += recording
-            self._counting = recording and (self._recorded == 1 or self._recorded % self.memory_every == 0)
-            self._packs, self._seen = [], set()
-            try:
-                if self._counting:
-                    with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-                        return run(*args, **kwargs)
-                return run(*args, **kwargs)
-            except BaseException as exc:
-                if not isinstance(exc, SystemExit):
-                    self.error(exc)
-                raise
-            finally:
-                self._run_end = time.perf_counter()
-
-        runtime.run = observed_run  # type: ignore[method-assign]
-        for name, kind in (("send_activation", "SEND_F"), ("send_grad", "SEND_B")):
-            setattr(p2p, name, self._metered(p2p, getattr(p2p, name), kind))
-
-    def _metered(self, p2p: Any, send: Callable[[int, Any], None], kind: str) -> Callable[[int, Any], None]:
-        def metered(mb: int, value: Any) -> None:
-            before = p2p.bytes_sent
-            send(mb, value)
-            self._send_bytes[(kind, mb)] = p2p.bytes_sent - before
-
-        return metered
+    def on_send(self, kind: str, microbatch: int, nbytes: int) -> None:
+        """Bytes of one send, for the span's `bytes` field."""
+        self._send_bytes[(kind, microbatch)] = nbytes
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         """A saved-for-backward tensor: count its storage once unless it is a parameter's."""
