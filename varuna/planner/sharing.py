@@ -14,7 +14,7 @@ too; where the table has the send costs by busy count too (SEND_F / SEND_B), a s
 busy that long. With `Sharing.message_cpu_s`, every message also does that much CPU work on the
 host (the transport's threads on both sides): from its send on it counts as one more busy rank per
 replica, for as long as that work takes at the host's rate, so the stages computing meanwhile slow
-down (4 ranks on 2 cores, 16 messages per stage and step of ~0.5 ms each: 2-4% of a step).
+down (the README's planner section gives the measured share of a step).
 """
 
 from __future__ import annotations

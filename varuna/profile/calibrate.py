@@ -3,10 +3,9 @@
 The profile measures each segment's compute inside one whole pass of the model, and the network
 with the runtime's transfer code between two ranks. A pipelined stage costs more than that: it
 enters the model once per action (not once per pass), its messages keep the transport's threads
-busy on a loaded host, and each step has bookkeeping of its own. Measured on 2 cores, a 4-stage
-pipeline whose compute was a spin loop of exactly known cost did ~70 core-ms per step more work
-than the simulator charged; without this term the planner came out 3-10% short for every
-pipelined shape of a GPT and right for 1 x D.
+busy on a loaded host, and each step has bookkeeping of its own. A pipeline whose compute is a
+spin loop of exactly known cost shows that work directly; without this term the planner came out
+short for every pipelined shape and right for 1 x D (the README's planner section has the figures).
 
 `fit_action_overhead` runs the real engine on every rank of the job as one pipeline (P = world,
 1F1B, 2P micro-batches of one row) whose stages spin for an exact CPU time each action: the
@@ -14,9 +13,8 @@ profiled model's forward and backward split evenly over the stages, so the host 
 in a real run. It then finds the seconds `c` that, added to every compute action of that same
 pipeline in `varuna.planner.search.predict` (with the job's measured network and the host's cores shared
 fairly), make the prediction equal the measured step. The planner adds `c` to every action of
-every pipelined configuration (`CostTable.action_overhead_s`). With gloo on 2 cores `c` came out
-0.9-2.4 ms at 2 ranks and 0.6-1.8 ms at 4 for the bench's GPT, and the planner's mean error per
-shape went from -3..-10% to within +-5%.
+every pipelined configuration (`CostTable.action_overhead_s`). The values it takes and what it does
+to the planner's error are measured in the README's planner section.
 
 Collective: every rank calls it. CPU (gloo) only: on CUDA the compute runs on the devices and a
 CPU spin would stand for nothing there, so the result is 0 (unmeasured).

@@ -26,7 +26,7 @@ and, inside a job (`run_profile`), how much slower a rank computes while n ranks
 (`measure_slowdown`: on a CPU host with fewer cores than ranks, about n / cores), and on CPU the
 seconds each compute action of a pipelined stage costs beyond its segments' compute, fitted from
 a short pipeline of exactly known compute run with the real engine (`varuna.profile.calibrate`:
-`CostTable.action_overhead_s`, ~0.6-2.4 ms per action with gloo on 2 cores; about 5 s).
+`CostTable.action_overhead_s`; a few seconds).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ on sampled steps, and to report an exception as an `error` event) and `on_send` 
 Environment: ``VARUNA_TELEMETRY=0`` turns it off; ``VARUNA_TELEMETRY_SPANS_EVERY=N`` records the
 spans of every N-th step (default 1) and ``VARUNA_TELEMETRY_MIN_INTERVAL_S`` at most one spans
 event per that many seconds; per-step metrics are always sent. Counting the activations saved for
-backward costs a Python call per saved tensor (~7% of a 24 ms step), so it runs on the first
+backward costs a Python call per saved tensor (a visible share of a small step), so it runs on the first
 recorded step of the process and every ``VARUNA_TELEMETRY_MEMORY_EVERY`` (20) recorded steps; the
 other steps repeat the last figure, and so do the gradient and optimizer-state bytes (a walk over
 every parameter), which are redone on those steps or when the optimizer changes. Times are
@@ -25,9 +25,9 @@ per process.
 Pausing: ``paused = True`` (or the controller's ``set(paused=True)``, acted on by every rank at its
 next step) records, logs and sends nothing per step until resumed; lifecycle events and commands
 still go through. What stays is a few Python calls a step (the observer's, `poll`), so
-`python -m varuna.bench telemetry` uses it as the "off" of its on/off comparison. What "on" costs
-a rank of that bench's GPT stage, measured: ~0.2 ms a step, nearly all in the two events (each
-JSON-encoded for the log and again for the signed message, then sent).
+`python -m varuna.bench telemetry` uses it as the "off" of its on/off comparison; what "on" costs is
+nearly all in the two per-step events (each JSON-encoded for the log and again for the signed
+message, then sent); the README's workbench section has the measured figure.
 """
 
 from __future__ import annotations
