@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from varuna.comm.rendezvous import init_distributed, launch_env
+from varuna.config import check_options
 from varuna.engine.engine import Varuna as _Engine
 from varuna.errors import ConfigError, PlanError
 from varuna.planner.auto import PROFILE_FILE, AutoChoice, Fixed, device_memory, plan_for, profile_sizes
@@ -207,6 +208,7 @@ class Varuna(_Engine):
         run_dir: str | Path | None = None,
         **options: Any,
     ) -> None:
+        check_options(options)  # before a profile that would take minutes
         plan_info = None
         if pipeline == "auto":
             rank, world = init_distributed()

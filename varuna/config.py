@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from varuna.errors import ConfigError
 from varuna.schedule import SCHEDULES, schedule_spec
@@ -13,7 +14,7 @@ from varuna.schedule import SCHEDULES, schedule_spec
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """The precisions an engine trains in (`varuna.engine.precision` applies them)."""
 
-__all__ = ["VarunaConfig"]
+__all__ = ["VarunaConfig", "check_options"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,3 +115,17 @@ class VarunaConfig:
     @property
     def uses_recompute(self) -> bool:
         return schedule_spec(self.schedule).recompute if self.recompute is None else self.recompute
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """ConfigError for a keyword that is not a setting of `VarunaConfig`, naming the closest ones and
+    every valid one (a misspelt option would otherwise be a TypeError from deep inside)."""
+    valid = [f.name for f in fields(VarunaConfig)]
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, valid, n=2)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        raise ConfigError(
+            f"Varuna(...) got an unknown option {name!r}; {hint}the options are: {', '.join(sorted(valid))}"
+        )

@@ -33,7 +33,7 @@ from varuna._files import write_json_atomic
 from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
 from varuna.comm.p2p import P2P, GradBuckets
-from varuna.config import VarunaConfig
+from varuna.config import VarunaConfig, check_options
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
 from varuna.elastic.protocol import MORPH_EXIT, StopRequest
@@ -94,6 +94,7 @@ class Varuna:
         pipeline = pipeline if pipeline is not None else (env.pipeline or 1)
         if data is None:
             data = env.data if env.data is not None else max(self.world_size // max(pipeline, 1), 1)
+        check_options(options)
         self.config = VarunaConfig(
             pipeline=pipeline,
             data=data,
