@@ -1,9 +1,9 @@
 """Pipeline schedules as data: each stage's ordered list of actions, made by pure functions.
 
 The runtime interprets these lists, the planner's simulator times them and the widgets draw them,
-so all three agree on what a step does. `make_schedule` gives the compute order; passes rewrite it
-(`add_recompute`, `add_communication`, `add_allreduce`, `lower`); `validate` checks the invariants
-and, on failure, prints the whole stage x step grid with the failing cell marked.
+so all three agree on what a step does. `SCHEDULES` holds each schedule's behaviour; `make_schedule`
+gives the compute order; passes rewrite it (`add_recompute`, `add_communication`, `add_allreduce`,
+`lower`); `validate` checks the invariants (on failure, the grid with the failing cell marked).
 
 1F1B for P=3 stages, M=4 micro-batches (one column per time slot, uniform costs; `.` is bubble):
 
@@ -13,8 +13,7 @@ and, on failure, prints the whole stage x step grid with the failing cell marked
 
     make_schedule("1f1b", 3, 4)[0]  ->  0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
 
-Varuna's schedule is that order with just-in-time recompute: every non-last stage runs its forward
-without keeping activations and recomputes them (`R`) right before the backward that needs them.
+Varuna's schedule is that order with just-in-time recompute (`R` right before the backward).
 """
 
 from __future__ import annotations
@@ -117,9 +116,7 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 
 def _gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
-    return [Action(stage, "F", m) for m in range(num_microbatches)] + [
-        Action(stage, "B", m) for m in range(num_microbatches)
-    ]
+    return [Action(stage, kind, m) for kind in "FB" for m in range(num_microbatches)]
 
 
 def _one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -142,8 +139,7 @@ class ScheduleSpec:
     order: Callable[[int, int, int], list[Action]]
     """(stage, P, M) -> that stage's forwards and backwards in order."""
     recompute: bool = False
-    """Non-last stages keep no activations and recompute each micro-batch just before its backward
-    (the default of `recompute=None`)."""
+    """Non-last stages recompute each micro-batch just before its backward (`recompute=None`)."""
     pull_ahead: bool = False
     """The runtime (and the simulator) pulls the next forward ahead while a gradient is late."""
     split_backward: bool = True
@@ -186,9 +182,8 @@ def build_schedule(
     recompute: bool | None = None,
     split_backward: bool = True,
 ) -> Schedule:
-    """The lowered, validated action lists the runtime executes and the simulator times: the
-    compute order, recompute, communication, the all-reduce and (where the schedule allows and
-    `split_backward` is set) the split backward. The one place a lowered schedule is assembled."""
+    """The lowered, validated action lists the runtime executes and the simulator times (compute,
+    recompute, communication, all-reduce, split backward): the one place they are assembled."""
     spec = schedule_spec(name)
     lowered = lower(make_schedule(name, num_stages, num_microbatches, recompute=recompute))  # type: ignore[arg-type]
     if split_backward and spec.split_backward:
