@@ -10,7 +10,7 @@ LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.varuna-installed
 
-.PHONY: install test demo bench lab lint clean
+.PHONY: install test test-quick demo bench lab lint clean
 
 $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ install: $(STAMP)
 
 test: install $(CHROMIUM)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# The unit tier only (tests/unit: no processes, well under a minute).
+test-quick: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/unit
 
 demo: install
 	OMP_NUM_THREADS=1 $(BIN)/varuna run --pipeline 2 --data 2 --run-dir runs/demo -m varuna.demo

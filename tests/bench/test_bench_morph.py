@@ -18,7 +18,7 @@ from varuna.bench import morph
 from varuna.bench.morph import MorphBench, quick
 from varuna.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 POSITIVE = (
     "params",

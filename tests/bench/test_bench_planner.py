@@ -18,7 +18,7 @@ import pytest
 from varuna.bench.planner import PlannerBench, quick, spearman, summarize
 from varuna.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"pipeline", "data", "micro_batch_size", "schedule", "predicted_s", "measured_s", "error"}
 
 

@@ -13,7 +13,7 @@ import pytest
 from varuna.bench.standin import StandinBench
 from varuna.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.multirank

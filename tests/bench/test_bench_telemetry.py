@@ -19,7 +19,7 @@ from varuna.bench._telemetry_worker import phases
 from varuna.bench.telemetry import TelemetryBench, analyse
 from varuna.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def synthetic(pairs: int, extra: float, memory_extra: float, memory_every: int) -> list[dict]:

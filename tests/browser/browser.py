@@ -48,7 +48,7 @@ Writing the quickstart test (the workbench's DOM contract)::
 `lab.root` is the temp copy the server serves (the kernel's working directory is the notebook's folder
 inside it). The quickstart must keep its job small enough to run in a few minutes on 2 CPU cores, and
 should write its run directory under the notebook's folder so `wait_for_file` finds it. Run one test:
-`OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_browser.py -x -q`; set VARUNA_CHROMIUM to use
+`OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/browser/test_browser.py -x -q`; set VARUNA_CHROMIUM to use
 another Chromium binary.
 """
 
@@ -77,7 +77,7 @@ from urllib.parse import quote
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "browser"
 TEST_NOTEBOOKS = Path(__file__).resolve().parent / "notebooks"
 

@@ -1,7 +1,7 @@
 """Real-browser tests: JupyterLab in headless Chromium renders the widgets and the buttons reach the kernel.
 
-The harness lives in `tests/browser.py` (how to write the quickstart test is in its docstring). The smoke
-test uses `tests/notebooks/browser_smoke.ipynb`, which follows the workbench's DOM contract without a job.
+The harness lives in `tests/browser/browser.py` (how to write the quickstart test is in its docstring). The smoke
+test uses `tests/browser/notebooks/browser_smoke.ipynb`, which follows the workbench's DOM contract without a job.
 """
 
 from __future__ import annotations

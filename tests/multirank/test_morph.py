@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import REPO as ROOT
+from _helpers import SCRIPTS
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "morph_train.py"
-sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+SCRIPT = SCRIPTS / "morph_train.py"
+sys.path.insert(0, str(SCRIPTS))
 from transparency_common import (  # noqa: E402
     assert_rel_close,
     reference,
@@ -35,24 +36,16 @@ def varuna(*args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
-def start_job(tmp_path: Path, flags: list[str], out: Path, *args: str, steps_before: int) -> subprocess.Popen:
+def start_job(
+    varuna_popen, tmp_path: Path, flags: list[str], out: Path, *args: str, steps_before: int
+) -> subprocess.Popen:
     """Start `varuna run [flags] -p 2 -d 2` of the morph script; return once it has logged some steps."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "varuna",
-        "run",
-        *flags,
-        "-p",
-        "2",
-        "-d",
-        "2",
-        "--run-dir",
-        str(tmp_path / "run"),
-    ]
-    job = subprocess.Popen(
-        [*cmd, str(SCRIPT), str(out), *args],
-        env=ENV,
+    job = varuna_popen(
+        [SCRIPT, out, *args],
+        pipeline=2,
+        data=2,
+        run_dir=tmp_path / "run",
+        flags=flags,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -70,28 +63,20 @@ def records(out: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_morph_2x2_to_4x1_to_1x2_equals_uninterrupted_training(tmp_path: Path) -> None:
+def test_morph_2x2_to_4x1_to_1x2_equals_uninterrupted_training(tmp_path: Path, varuna_run) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     for p, d in ((4, 1), (1, 2)):  # queued shapes for the two morphs, taken in order
         assert varuna("resize", str(run), "-p", str(p), "-d", str(d), "--no-signal").returncode == 0
-    job = varuna(
-        "run",
-        "--elastic",
-        "-p",
-        "2",
-        "-d",
-        "2",
-        "--run-dir",
-        str(run),
-        str(SCRIPT),
-        str(out),
-        "18",
-        "fp32",
-        "6",
-        "12",
-        timeout=280,
+    job = varuna_run(
+        [SCRIPT, out, "18", "fp32", "6", "12"],
+        pipeline=2,
+        data=2,
+        run_dir=run,
+        flags=["--elastic"],
         cwd=tmp_path,
+        timeout=280,
+        check=False,
     )
     text = job.stdout + job.stderr
     assert job.returncode == 0, text[-4000:]
@@ -111,12 +96,12 @@ def test_morph_2x2_to_4x1_to_1x2_equals_uninterrupted_training(tmp_path: Path) -
 
 
 @pytest.mark.timeout(300)
-def test_resize_from_the_cli_while_running_keeps_the_fp16_loss_scale(tmp_path: Path) -> None:
+def test_resize_from_the_cli_while_running_keeps_the_fp16_loss_scale(tmp_path: Path, varuna_popen) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     # 40 steps: the resize command (a fresh interpreter importing torch) must land before the last
     # one even on a loaded host; with 14, a CI run under full load once finished first
-    job = start_job(tmp_path, ["--elastic"], out, "40", "fp16", steps_before=5)
+    job = start_job(varuna_popen, tmp_path, ["--elastic"], out, "40", "fp16", steps_before=5)
     resize = varuna("resize", str(run), "-p", "1", "-d", "2")
     assert resize.returncode == 0, resize.stderr
     text, _ = job.communicate(timeout=240)
@@ -143,10 +128,10 @@ def _live(run: Path) -> dict[int, int]:
 
 
 @pytest.mark.timeout(200)
-def test_sigkill_of_a_worker_mid_step_ends_the_job_fast(tmp_path: Path) -> None:
+def test_sigkill_of_a_worker_mid_step_ends_the_job_fast(tmp_path: Path, varuna_popen) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    job = start_job(tmp_path, [], out, "100000", "fp32", steps_before=3)
+    job = start_job(varuna_popen, tmp_path, [], out, "100000", "fp32", steps_before=3)
     pids = _live(run)
     assert len(pids) == 4, pids
     os.kill(pids[1], 9)

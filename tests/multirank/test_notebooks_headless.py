@@ -1,4 +1,5 @@
-"""The notebooks run headless (nbclient) with small settings and are committed without outputs.
+"""The notebooks run headless (nbclient) with small settings (that they are committed
+without outputs is checked in tests/unit/test_notebooks.py).
 
 Each notebook runs in a copy of notebooks/ under tmp_path, so its runs/ never lands in the repo.
 The quickstart asserts its own story (checkpoint on disk, a 2x2 -> 4x1 resize, stop, resume, every
@@ -13,13 +14,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _helpers import REPO
 
 from varuna._env import patched_environ
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = REPO / "notebooks"
 pytestmark = pytest.mark.multirank
 
 
@@ -44,14 +46,6 @@ def stream_text(nb: nbformat.NotebookNode) -> str:
         for o in c.get("outputs", [])
         if o.output_type == "stream"
     )
-
-
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "bubbles.ipynb", "finetune_transformers.ipynb"])
-def test_committed_without_outputs(name: str) -> None:
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
 @pytest.mark.timeout(400)

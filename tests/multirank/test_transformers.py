@@ -11,7 +11,6 @@ loaded with `from_pretrained` trains at P = 2. A loss on a value another stage c
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "scripts"
+from _helpers import REPO as ROOT
+from _helpers import SCRIPTS
+
 sys.path.insert(0, str(SCRIPTS))
 from hf_common import CONFIGS, MODELS, MORE_MODELS, SHAPES, STEPS, build, reference, schedule_for  # noqa: E402
 
@@ -33,17 +33,23 @@ TIMEOUT = 420
 def _readme_block() -> str:
     """The README's "Train a transformers model" code, as the user copies it."""
     text = (ROOT / "README.md").read_text()
-    start = text.index("<!-- tests/test_transformers.py runs this block as a 2x2 job -->")
+    start = text.index("<!-- tests/multirank/test_transformers.py runs this block as a 2x2 job -->")
     return text[start:].split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def _launch(
-    world: int, script: str, args: list[str], run_dir: Path, log: Path, data: int = 1
+    varuna_popen, world: int, script: str, args: list[str], run_dir: Path, log: Path, data: int = 1
 ) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(world // data), "--data", str(data),
-           "--run-dir", str(run_dir), str(SCRIPTS / script), *args]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=run_dir.parent)
+    return varuna_popen(
+        [SCRIPTS / script, *args],
+        pipeline=world // data,
+        data=data,
+        run_dir=run_dir,
+        env={"TRANSFORMERS_VERBOSITY": "error"},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=run_dir.parent,
+    )
 
 
 def _wait(proc: subprocess.Popen[bytes], log: Path) -> tuple[int | str, str]:
@@ -57,7 +63,7 @@ def _wait(proc: subprocess.Popen[bytes], log: Path) -> tuple[int | str, str]:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def jobs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> dict[str, object]:
     """The two training jobs (world 2 and 4) and the misuse job, started at once."""
     base = tmp_path_factory.mktemp("transformers")
     pretrained = base / "pretrained"
@@ -65,6 +71,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = base / "out"
     procs = {
         world: _launch(
+            varuna_popen,
             world,
             "transformers_worker.py",
             [str(out), str(world), str(pretrained)],
@@ -73,10 +80,12 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         )  # fmt: skip
         for world in CONFIGS
     }
-    procs["misuse"] = _launch(2, "transformers_misuse.py", [], base / "misuse", base / "misuse.log")
+    procs["misuse"] = _launch(
+        varuna_popen, 2, "transformers_misuse.py", [], base / "misuse", base / "misuse.log"
+    )
     readme = base / "train_hf.py"
     readme.write_text(_readme_block())
-    procs["readme"] = _launch(4, str(readme), [], base / "readme", base / "readme.log", data=2)
+    procs["readme"] = _launch(varuna_popen, 4, str(readme), [], base / "readme", base / "readme.log", data=2)
     logs = {key: base / (f"w{key}.log" if isinstance(key, int) else f"{key}.log") for key in procs}
     results = {key: _wait(proc, logs[key]) for key, proc in procs.items()}
     for world in CONFIGS:

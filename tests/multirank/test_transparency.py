@@ -9,16 +9,14 @@ global batches within 1e-5 relative (fp32). One `varuna run` job per world size 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _helpers import SCRIPTS
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import CLIP, CONFIGS, MODELS, SCHEDULES, reference, varlen  # noqa: E402
 
@@ -27,33 +25,25 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> dict[int, Path]:
     """One job per world size, all started at once (they oversubscribe the cores, but overlap)."""
     base = tmp_path_factory.mktemp("transparency")
     cwd = base / "cwd"
     cwd.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = {}
     for world in CONFIGS:
         out = base / f"w{world}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "varuna",
-            "run",
-            "--pipeline",
-            str(world),
-            "--data",
-            "1",
-            "--run-dir",
-            str(base / f"run{world}"),
-            str(SCRIPTS / "transparency_worker.py"),
-            str(out),
-            str(world),
-        ]
         log = open(base / f"w{world}.log", "w")
         procs[world] = (
-            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd),
+            varuna_popen(
+                [SCRIPTS / "transparency_worker.py", out, str(world)],
+                pipeline=world,
+                data=1,
+                run_dir=base / f"run{world}",
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+            ),
             out,
             log,
         )

@@ -1,4 +1,4 @@
-"""A training script with `Varuna(..., pipeline="auto")` for tests/test_auto_pipeline.py.
+"""A training script with `Varuna(..., pipeline="auto")` for tests/multirank/test_auto_pipeline_jobs.py.
 
     varuna run -p W --run-dir RUN tests/scripts/auto_train.py OUT [--micro-batch-size M] [--data D]
         [--memory SIZE]

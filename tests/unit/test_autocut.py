@@ -4,7 +4,7 @@ The models here have no CutPoints: our GPT with its cut list emptied, small look
 the attribute structure of the transformers library's GPT-2 (`transformer.h`, blocks returning
 tuples) and BERT (`bert.encoder.layer`), and the transformers library's own GPT-2 and BERT built
 from a config (a dev dependency). These tests check structure and that auto_cut changes no numbers;
-the real engine trains cut models at P x D > 1 in tests/test_transformers.py.
+the real engine trains cut models at P x D > 1 in tests/multirank/test_transformers.py.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ class _LossOf(nn.Module):
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_transformers_models_built_from_a_config(arch: str) -> None:
     """Structure only: the blocks found, the names, the state_dict keys, the trace. The real
-    engine trains these models at P x D > 1 in tests/test_transformers.py."""
+    engine trains these models at P x D > 1 in tests/multirank/test_transformers.py."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     small = {"vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}

@@ -7,149 +7,17 @@ tests consolidate it in this process, and damage copies of it for the errors.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
+from _helpers import SCRIPTS
 
 import varuna
 from varuna import cli
-from varuna.checkpoint import storage as cio
 from varuna.errors import CheckpointError
-from varuna.models import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from consolidate_worker import GPTExtras  # noqa: E402
-
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """The run directory of a 2x2 job, and every trained tensor by name (checked equal across ranks)."""
-    base = tmp_path_factory.mktemp("consolidate")
-    run, out = base / "run", base / "out"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", "2", "--data", "2", "--run-dir", str(run)]
-    proc = subprocess.run(
-        [*cmd, str(SCRIPTS / "consolidate_worker.py"), str(out)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=base,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    trained: dict[str, torch.Tensor] = {}
-    for rank in range(4):
-        for name, value in torch.load(out / f"rank{rank}.pt").items():
-            if name in trained:  # data-parallel replicas and tied copies hold the same values
-                assert torch.equal(trained[name], value), name
-            trained[name] = value
-    return run, trained
-
-
-@pytest.mark.multirank
-@pytest.mark.timeout(200)
-def test_a_2x2_checkpoint_loads_into_the_plain_model_exactly(job, tmp_path: Path) -> None:
-    run, trained = job
-    fresh = GPTExtras()
-    out = varuna.consolidate(run, tmp_path / "new" / "gpt.safetensors", model=fresh)
-    state = load_file(out)
-    assert state.keys() == fresh.state_dict().keys()
-    assert "alias.weight" in state and "blocks.3.scratch" not in state  # an alias; a non-persistent buffer
-    fresh.load_state_dict(state, strict=True)
-    for name, p in fresh.named_parameters():  # canonical names: every one saved by some rank
-        assert torch.equal(p, trained[name]), name
-    assert torch.equal(fresh.alias.weight, trained["blocks.3.ln_1.weight"])
-    assert torch.equal(fresh.blocks[0].seen, torch.full((3,), 3.0))  # buffers of rank 0 and of rank 1
-    assert torch.equal(fresh.blocks[3].seen, torch.arange(4.0).view(2, 2))
-    with safe_open(str(out), framework="pt") as f:
-        assert f.metadata() == {"format": "pt", "varuna_step": "3"}
-    assert [p.name for p in out.parent.iterdir()] == ["gpt.safetensors"]  # no temporary left behind
-
-
-@pytest.mark.multirank
-@pytest.mark.timeout(200)
-def test_cli_writes_the_same_file(job, tmp_path: Path) -> None:
-    run, _ = job
-    step = run / "checkpoints" / "step-00000003"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "varuna",
-            "consolidate",
-            str(run / "checkpoints"),
-            str(tmp_path / "a.safetensors"),
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert f"from {step}" in proc.stdout and "tensors" in proc.stdout
-    expected = load_file(varuna.consolidate(step, tmp_path / "b.safetensors"))
-    got = load_file(tmp_path / "a.safetensors")
-    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-
-
-def _without_layout(step: Path, dest: Path) -> Path:
-    """A copy of the checkpoint as a Varuna before consolidate wrote it: no state_dict layout."""
-    shutil.copytree(step, dest)
-    extra = torch.load(dest / "extra.pt", weights_only=True)
-    del extra["state_dict"]
-    torch.save(extra, dest / "extra.pt")
-    manifest = json.loads((dest / "manifest.json").read_text())
-    manifest["files"]["extra.pt"] = {
-        "bytes": (dest / "extra.pt").stat().st_size,
-        "crc32": cio.file_crc(dest / "extra.pt"),
-    }
-    (dest / "manifest.json").write_text(json.dumps(manifest))
-    return dest
-
-
-@pytest.mark.multirank
-@pytest.mark.timeout(200)
-def test_an_older_checkpoint_is_refused_but_resumes(job, tmp_path: Path) -> None:
-    run, trained = job
-    old = _without_layout(run / "checkpoints" / "step-00000003", tmp_path / "step-00000003")
-    with pytest.raises(
-        CheckpointError, match=r"did not record the model's state_dict layout .* resume from it"
-    ):
-        varuna.consolidate(old, tmp_path / "x.safetensors")
-    # resume reads neither the layout nor the buffer.* tensors, which this checkpoint holds
-    engine = varuna.Varuna(GPTExtras(), global_batch_size=8, micro_batch_size=2, resume=old)
-    assert engine.step_count == 3
-    for name, p in engine.named_parameters():
-        assert torch.equal(p, trained[name]), name
-    engine.close()
-
-
-@pytest.mark.multirank
-@pytest.mark.timeout(200)
-def test_a_checkpoint_of_another_model_lists_the_differences(job, tmp_path: Path) -> None:
-    run, _ = job
-    other = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=48, n_layer=6, n_head=2))
-    with pytest.raises(
-        CheckpointError, match=r"does not fit this GPT: it was saved from a consolidate_worker.GPTExtras"
-    ) as err:
-        varuna.consolidate(run, tmp_path / "x.safetensors", model=other)
-    text = str(err.value)
-    assert "24 missing from the checkpoint: blocks.4.attn.proj.bias (48,), " in text
-    assert "3 not in this model: alias.weight (32,), blocks.0.seen (3,), blocks.3.seen (2, 2)" in text
-    assert "52 shape differs: blocks.0.attn.proj.bias model (48,) vs checkpoint (32,)" in text
-    assert not (tmp_path / "x.safetensors").exists()
 
 
 def test_a_missing_path_is_named(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Pure tests of varuna/elastic.py's decisions: the hostfile's slot count and the shape of the next
 launch after a morph exit (shared by `varuna run --elastic` and the workbench's controller). The
-elastic runs themselves are in tests/test_morph.py."""
+elastic runs themselves are in tests/multirank/test_morph.py."""
 
 from __future__ import annotations
 

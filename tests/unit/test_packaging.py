@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import re
-import sys
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _helpers import REPO as ROOT
 
 
 def _name(spec: str) -> str:
@@ -45,11 +43,3 @@ def test_torch_pin_and_mpi_wheel_agree_with_the_makefile() -> None:
     mpi = re.search(r"^MPI_WHEEL \?= (.+)$", make, re.M).group(1).strip()
     assert torch_pin in _env_pip()
     assert mpi in _env_pip()
-
-
-def test_import_varuna_pulls_in_no_notebook_stack() -> None:
-    import subprocess
-
-    code = "import sys, varuna; bad = [m for m in ('plotly', 'ipywidgets', 'IPython', 'jupyter_client') if m in sys.modules]; print(bad)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert out.stdout.strip() == "[]"

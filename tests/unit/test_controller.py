@@ -1,0 +1,75 @@
+"""The notebook controller (varuna/controller.py) without processes: event signing, address reuse,
+validation in the caller. The tests that drive a real job are in tests/multirank/test_controller_jobs.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from varuna.controller import JobController
+from varuna.errors import ConfigError
+from varuna.telemetry import events as _events
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_unsigned_and_badly_signed_events_are_dropped(tmp_path: Path) -> None:
+    ctl = JobController(tmp_path)
+    ctl._bind()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(ctl.events_address)
+        push.send_multipart([b"", b'{"type": "hello", "rank": 7}'])
+        push.send_multipart(_events.encode(b"not the key", {"type": "hello", "rank": 8}))
+        push.send_multipart(_events.encode(bytes.fromhex(ctl.key), {"type": "hello", "rank": 9, "seq": 1}))
+        assert wait_for(lambda: ctl.store.count > 0, 5.0)
+        time.sleep(0.2)
+        assert [e["rank"] for e in ctl.store.events("hello")] == [9]
+        assert ctl._channel is not None and ctl._channel.dropped == 2
+        assert _events.read_controller_info(tmp_path)["events"] == ctl.events_address
+        assert ctl.events_address.startswith("tcp://127.0.0.1:")
+    finally:
+        push.close(linger=0)
+        ctl.close()
+
+
+def test_a_controller_binds_the_addresses_of_one_closed_a_moment_ago(tmp_path: Path) -> None:
+    from varuna.telemetry.channel import _bind_again
+
+    first = JobController(tmp_path)
+    first._bind()
+    events, commands = first.events_address, first.commands_address
+    first.close()  # zmq frees the listeners later, in its I/O thread
+    second = JobController(tmp_path)
+    try:
+        second._bind(events, commands)
+        assert (second.events_address, second.commands_address) == (events, commands)
+    finally:
+        second.close()
+    held = zmq.Context.instance().socket(zmq.PULL)
+    _bind_again(held, events)  # `second` was closed just now
+    other = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        start = time.monotonic()
+        with pytest.raises(zmq.ZMQError) as caught:
+            _bind_again(other, events, wait_s=0.3)  # an address that stays taken: tried, then raised
+        assert caught.value.errno == zmq.EADDRINUSE and time.monotonic() - start >= 0.3
+    finally:
+        held.close(linger=0)
+        other.close(linger=0)
+
+
+def test_start_validates_in_the_caller(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="script not found"):
+        JobController.start([str(tmp_path / "nope.py")], pipeline=2, data=1, run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match="not a varuna run directory"):
+        JobController.attach(tmp_path)
