@@ -96,8 +96,14 @@ class VarunaConfig:
             raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
         if self.run_dir is not None:
             self.run_dir = Path(self.run_dir)
-        if self.checkpoint_keep < 1:
-            raise ConfigError(f"checkpoint_keep must be at least 1, got {self.checkpoint_keep}")
+        for name in ("checkpoint_keep", "profile_repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("bucket_mb", "init_loss_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
         if self.memory_limit is not None:
             from varuna.planner.search import (
                 parse_memory,

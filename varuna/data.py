@@ -135,6 +135,12 @@ def collate(samples: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Stack a list of samples (dicts of equally shaped tensors) into a batch with a leading dimension."""
     if len(samples) == 0:
         raise ConfigError("collate needs at least one sample (got an empty list)")
+    if not isinstance(samples[0], dict):
+        raise ConfigError(
+            f"a sample must be a dict of tensors, like {{'input_ids': ..., 'labels': ...}}; the dataset gave a "
+            f"{type(samples[0]).__name__} (a TensorDataset gives tuples): make __getitem__ return a dict, "
+            "e.g. [{'x': x, 'y': y} for x, y in TensorDataset(...)]"
+        )
     keys = list(samples[0])
     for i, sample in enumerate(samples):
         if list(sample) != keys:
@@ -151,6 +157,26 @@ class MapDataset(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> dict[str, Tensor]: ...
+
+
+def _check_map_style(dataset: Any) -> None:
+    """ConfigError unless `dataset` is map-style: `len(ds)` and `ds[i]`, as a step asks for its samples."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        why = (
+            "an IterableDataset has no index, so a step cannot ask for its own samples; give a map-style one"
+        )
+    elif isinstance(dataset, torch.Tensor):
+        why = "a tensor is not a dataset of dicts; wrap it, e.g. [{'x': row} for row in tensor]"
+    elif not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        why = "it needs len(ds) and ds[i]"
+    else:
+        return
+    raise ConfigError(
+        f"the dataset must be map-style, len(ds) and ds[i] giving a dict of tensors; got a "
+        f"{type(dataset).__name__}: {why}"
+    )
 
 
 class ReplicaLoader:
@@ -172,6 +198,7 @@ class ReplicaLoader:
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
+        _check_map_style(dataset)
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.replica = replica

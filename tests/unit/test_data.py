@@ -191,6 +191,24 @@ def test_replica_loader_validates_at_construction() -> None:
         ReplicaLoader(_Indexed(0), global_batch_size=4, replica=0, data_parallel=1)
 
 
+def test_datasets_that_are_not_map_style_dicts_are_named() -> None:
+    from torch.utils.data import IterableDataset, TensorDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield {"x": torch.zeros(1)}
+
+    with pytest.raises(ConfigError, match=r"map-style.*got a Stream: an IterableDataset has no index"):
+        ReplicaLoader(Stream(), global_batch_size=4, replica=0, data_parallel=1)
+    with pytest.raises(ConfigError, match=r"got a Tensor: a tensor is not a dataset of dicts; wrap it"):
+        ReplicaLoader(torch.zeros(8, 2), global_batch_size=4, replica=0, data_parallel=1)  # type: ignore[arg-type]
+    loader = ReplicaLoader(TensorDataset(torch.zeros(8, 2)), global_batch_size=4, replica=0, data_parallel=1)
+    with pytest.raises(
+        ConfigError, match=r"a sample must be a dict of tensors.*gave a tuple \(a TensorDataset"
+    ):
+        loader.batch(0)
+
+
 def test_replica_loader_on_synthetic_lm_shapes() -> None:
     ds = SyntheticLM(64, 16, 100)
     batch = ReplicaLoader(ds, global_batch_size=8, replica=1, data_parallel=2).batch(3)

@@ -40,6 +40,13 @@ def test_bad_settings_name_the_fix() -> None:
         VarunaConfig(pipeline=1, data=1, global_batch_size=8, micro_batch_size=2, schedule="zb")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"micro_batch_size must be a positive integer, got 0"):
         VarunaConfig(pipeline=1, data=1, global_batch_size=8, micro_batch_size=0)
+    for name, bad, message in (
+        ("checkpoint_keep", "2", "an integer >= 1, got '2'"),
+        ("profile_repeats", 0, "an integer >= 1, got 0"),
+        ("bucket_mb", -1, "a number > 0, got -1"),
+    ):
+        with pytest.raises(ConfigError, match=rf"{name} must be {message}"):
+            VarunaConfig(pipeline=1, data=1, global_batch_size=8, micro_batch_size=2, **{name: bad})
     with pytest.raises(ConfigError, match=r"precision='fp8' is not one of"):
         VarunaConfig(pipeline=1, data=1, global_batch_size=8, micro_batch_size=2, precision="fp8")  # type: ignore[arg-type]
 
@@ -60,6 +67,8 @@ def test_wrong_batch_size_for_step(gpt) -> None:
         ConfigError, match=r"step\(\) got a batch of 4 samples but this replica's share .* = 8"
     ):
         engine.step(collate([data[i] for i in range(4)]))
+    with pytest.raises(ConfigError, match=r"step\(\) takes one batch dict, .* \(got a list\)"):
+        engine.step([engine.batch(data, 0)])  # type: ignore[arg-type]
     engine.close()
 
 

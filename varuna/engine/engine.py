@@ -274,6 +274,11 @@ class Varuna:
                     flush=True,
                 )
             raise SystemExit(MORPH_EXIT)
+        if not isinstance(batch, Mapping):
+            raise ConfigError(
+                f"step() takes one batch dict, as engine.batch(dataset, step) gives (got a {type(batch).__name__}); "
+                "the engine splits it into micro-batches itself"
+            )
         t0 = time.perf_counter()
         local = cfg.global_batch_size // cfg.data
         n = batch_len(batch)
