@@ -32,3 +32,20 @@ def make_gpt_engine(
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     engine.set_optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
     return engine, data
+
+
+def run_bench(name: str, *, timeout: float) -> tuple[dict, str]:
+    """`python -m varuna.bench NAME --json --quick` from the repository: its JSON report and stderr
+    (the table and progress lines); the test fails with the stderr's tail if it exits non-zero."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "varuna.bench", name, "--json", "--quick"], cwd=REPO, env=env,
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout), proc.stderr

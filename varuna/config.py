@@ -67,7 +67,14 @@ class VarunaConfig:
     `engine.should_stop` and let the script decide."""
 
     def __post_init__(self) -> None:
-        for name in ("pipeline", "data", "global_batch_size", "micro_batch_size"):
+        for name in (
+            "pipeline",
+            "data",
+            "global_batch_size",
+            "micro_batch_size",
+            "checkpoint_keep",
+            "profile_repeats",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -96,18 +103,12 @@ class VarunaConfig:
             raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
         if self.run_dir is not None:
             self.run_dir = Path(self.run_dir)
-        for name in ("checkpoint_keep", "profile_repeats"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("bucket_mb", "init_loss_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
         if self.memory_limit is not None:
-            from varuna.planner.search import (
-                parse_memory,
-            )  # raises PlanError (a ConfigError) naming the format
+            from varuna.planner.memory import parse_memory  # a PlanError (a ConfigError) names the format
 
             parse_memory(self.memory_limit)
         if self.on_stop not in ("exit", "flag"):

@@ -5,33 +5,17 @@ Benchmarks never gate: nothing here asserts a timing or a ratio's value, only th
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _helpers import run_bench
 
 pytestmark = pytest.mark.multirank
 
 
 @pytest.mark.timeout(240)
 def test_pipeline_bench_quick_reports_every_system() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "varuna.bench", "pipeline", "--json", "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report, _ = run_bench("pipeline", timeout=230)
     assert {"model", "results", "ratios"} <= set(report)
     for key in (
         "config",

@@ -5,20 +5,15 @@ Benchmarks never gate: nothing here asserts a timing or a ratio's value, only th
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_bench
 
 from varuna.bench import morph
 from varuna.bench.morph import MorphBench, quick
 from varuna.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 POSITIVE = (
     "params",
@@ -37,17 +32,7 @@ POSITIVE = (
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
 def test_morph_bench_quick_reports_a_resize() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "varuna.bench", "morph", "--json", "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report, _ = run_bench("morph", timeout=230)
     for key in POSITIVE:
         value = report[key]
         assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)

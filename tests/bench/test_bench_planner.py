@@ -6,19 +6,14 @@ report is complete and its figures are what their definitions say.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _helpers import run_bench
 
 from varuna.bench.planner import PlannerBench, quick, spearman, summarize
 from varuna.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"pipeline", "data", "micro_batch_size", "schedule", "predicted_s", "measured_s", "error"}
 
 
@@ -95,17 +90,7 @@ def test_bad_settings_name_the_fix() -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
 def test_planner_bench_quick_reports_every_configuration() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "varuna.bench", "planner", "--json", "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report, stderr = run_bench("planner", timeout=170)
     for key in (
         "mean_abs_error",
         "max_abs_error",
@@ -132,6 +117,6 @@ def test_planner_bench_quick_reports_every_configuration() -> None:
     for record in (r for per_world in report["profile"]["per_round"].values() for r in per_world):
         assert record["delivery_s"] and all(t > 0 for _, t in record["message_cpu"])  # what each round used
         assert 0 <= record["action_overhead_s"] < 0.01
-    assert "mean |error|" in proc.stderr and "best gap" in proc.stderr  # the table
+    assert "mean |error|" in stderr and "best gap" in stderr  # the table
     assert set(report["mean_error_by_shape"]) == {"1x2", "2x1", "2x2"}
-    assert "mean signed error by P x D: 1x2 " in proc.stderr
+    assert "mean signed error by P x D: 1x2 " in stderr

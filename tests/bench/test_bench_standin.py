@@ -2,35 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _helpers import run_bench
 
 from varuna.bench.standin import StandinBench
 from varuna.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.multirank
 def test_standin_bench_quick_reports_every_stage() -> None:
     pytest.importorskip("transformers")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "varuna.bench", "standin", "--quick", "--json"], env=env,
-                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    report, stderr = run_bench("standin", timeout=240)
     stages = report["stages"]
     assert {(r["model"], r["stage"]) for r in stages} == {(m, s) for m in ("gpt2", "llama") for s in (0, 1)}
     for r in stages:
         assert r["forward_ms"] > 0 and 0 <= r["standin_ms"] < r["forward_ms"]
         # stage 0 runs nothing on stand-ins; stage 1 skips the embedding and the first blocks
         assert (r["standin_ms"] == 0) == (r["stage"] == 0)
-    assert "max overhead" in proc.stderr
+    assert "max overhead" in stderr
 
 
 @pytest.mark.parametrize(

@@ -6,20 +6,14 @@ complete and sane. The estimator is checked on synthetic steps whose overhead is
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _helpers import run_bench
 
 from varuna.bench._telemetry_worker import phases
 from varuna.bench.telemetry import TelemetryBench, analyse
 from varuna.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def synthetic(pairs: int, extra: float, memory_extra: float, memory_every: int) -> list[dict]:
@@ -74,17 +68,7 @@ def test_analyse_and_config_errors_teach_the_fix() -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(200)
 def test_telemetry_bench_quick_reports_on_off_and_widget_refresh() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "varuna.bench", "telemetry", "--json", "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=190,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report, _ = run_bench("telemetry", timeout=190)
     for key in ("samples_per_s_off", "samples_per_s_on"):
         assert isinstance(report[key], float) and report[key] > 0 and math.isfinite(report[key])
     assert isinstance(report["overhead"], float) and -1.0 < report["overhead"] < 1.0

@@ -29,12 +29,11 @@ from typing import Any
 
 from torch import nn
 
-from varuna.cut.cutpoint import CutPoint
+from varuna.cut.cutpoint import CONTAINERS, CutPoint
 from varuna.errors import PartitionError
 
 __all__ = ["auto_cut", "find_blocks"]
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _ATTRIBUTE = "varuna_cuts"
 
 
@@ -123,7 +122,7 @@ def _holder(model: nn.Module, container: str) -> tuple[nn.Module, str]:
         parts.pop()
         path = ".".join(parts)
         module = model.get_submodule(path)
-        if not isinstance(module, _CONTAINERS):
+        if not isinstance(module, CONTAINERS):
             return module, path
     raise PartitionError(
         f"auto_cut cannot place CutPoints in {type(model).__name__}: the model is itself an "

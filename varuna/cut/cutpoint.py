@@ -62,6 +62,10 @@ class _handling:
         _local.handler = self.previous
 
 
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+"""Modules that hold blocks: a stage skips their blocks, never them, and no CutPoint is placed in one."""
+
+
 class CutPoint(nn.Module):
     """A candidate boundary between pipeline stages; call it on the activation that crosses it.
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from varuna.cut.cutpoint import CONTAINERS
 from varuna.errors import PartitionError
 
 __all__ = ["StandIn", "SkippedForward", "stand_in_context", "contains_stand_in", "origin_of", "timer"]
@@ -100,8 +101,12 @@ class stand_in_context:
         _context.stage, _context.start_cut, _context.param_names = self.previous
 
 
+def _stage() -> str:
+    return "this stage" if _context.stage is None else f"stage {_context.stage}"
+
+
 def _crossing_hint(origin: str) -> str:
-    stage = "this stage" if _context.stage is None else f"stage {_context.stage}"
+    stage = _stage()
     if _context.start_cut is None:
         return (
             f"only the value given to a stage's input CutPoint crosses to {stage}; pass the value through "
@@ -116,9 +121,8 @@ def _crossing_hint(origin: str) -> str:
 
 def cross_stage_error(what: str, origin: str) -> PartitionError:
     """The error for a stand-in (a value computed by module `origin` on another stage) used by `what`."""
-    stage = "this stage" if _context.stage is None else f"stage {_context.stage}"
     return PartitionError(
-        f"on {stage}, {what} uses the output of module {origin!r}, which another stage computes; "
+        f"on {_stage()}, {what} uses the output of module {origin!r}, which another stage computes; "
         f"{_crossing_hint(origin)}"
     )
 
@@ -264,7 +268,11 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 f"{_op_name(func)}, which changes a stand-in's shape in place,", first.origin
             )
         return args[0]
-    device, origin = first.device, first.origin
+    return _stand_ins(meta_out, first.device, first.origin)
+
+
+def _stand_ins(meta_out: Any, device: torch.device, origin: str) -> Any:
+    """`meta_out` (any nesting) with each meta tensor as a fresh stand-in on `device`."""
     return tree_map(lambda t: StandIn(t, device, origin) if isinstance(t, torch.Tensor) else t, meta_out)
 
 
@@ -322,11 +330,10 @@ class record_outputs:
         self.seen: dict[str, dict[Any, Any]] = {}
 
     def __enter__(self) -> dict[str, dict[Any, Any]]:
-        containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
         self.handles = [
             module.register_forward_hook(self._hook(name), with_kwargs=True)
             for name, module in self.model.named_modules()
-            if name and not isinstance(module, containers) and next(module.parameters(), None) is not None
+            if name and not isinstance(module, CONTAINERS) and next(module.parameters(), None) is not None
         ]
         return self.seen
 
@@ -373,15 +380,12 @@ class SkippedForward:
                 with torch.no_grad():
                     meta_out = self.forward(*margs, **mkwargs)
             except Exception as exc:
-                stage = "this stage" if _context.stage is None else f"stage {_context.stage}"
                 raise PartitionError(
-                    f"{stage} skips module {self.name!r} (another stage holds it) but needs the shape of its "
+                    f"{_stage()} skips module {self.name!r} (another stage holds it) but needs the shape of its "
                     f"output: the start-up trace saw no call with these input shapes, and running it on the "
                     f"meta device failed ({type(exc).__name__}: {exc}). Give example_batch= a batch shaped "
                     "like the training batches, or choose boundaries (partition=[...]) that keep this "
                     "module's callers on the stage that holds it"
                 ) from exc
             self.cache[key] = meta_out
-        return tree_map(
-            lambda t: StandIn(t, self.device, self.name) if isinstance(t, torch.Tensor) else t, meta_out
-        )
+        return _stand_ins(meta_out, self.device, self.name)

@@ -126,8 +126,7 @@ class Varuna:
         self.model = model
 
         micro = None if cfg.pipeline == 1 and example_batch is None else self._example(example_batch)
-        traced: dict[str, dict[Any, Any]] = {}  # module -> output shapes seen, for skipped modules
-        self.trace = _stage.trace(model, micro, traced)
+        self.trace, traced = _stage.trace(model, micro)  # traced: output shapes, for skipped modules
         self.partition = _stage.partition(
             model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast
         )

@@ -2,7 +2,7 @@
 
 In the order `Varuna.__init__` calls them:
 
-    trace(model, micro, outputs)      -> Trace      one forward: the CutPoints, who uses what, and
+    trace(model, micro)               -> Trace, …   one forward: the CutPoints, who uses what, and
                                                     every module's output shapes
     partition(model, trace, ...)      -> Partition  the stage boundaries (timed on rank 0 if balanced)
     strip(model, owned, device, ...)                other stages' parameters become meta tensors, their
@@ -27,7 +27,7 @@ from torch import nn
 
 from varuna._files import write_json_atomic
 from varuna.config import VarunaConfig
-from varuna.cut.cutpoint import CutPoint
+from varuna.cut.cutpoint import CONTAINERS, CutPoint
 from varuna.cut.partition import (
     Partition,
     Trace,
@@ -39,19 +39,17 @@ from varuna.cut.partition import (
 from varuna.cut.standin import SkippedForward, record_outputs
 
 
-def trace(model: nn.Module, micro: dict[str, Any] | None, outputs: dict[str, dict[Any, Any]]) -> Trace:
-    """The model's trace on `micro`; None (pipeline=1 without an example batch) traces nothing.
-
-    Fills `outputs` with every module's output shapes per input signature (`record_outputs`), for
-    the modules this stage will skip."""
+def trace(model: nn.Module, micro: dict[str, Any] | None) -> tuple[Trace, dict[str, dict[Any, Any]]]:
+    """The model's trace on `micro`, and every module's output shapes per input signature
+    (`record_outputs`) for the modules this stage will skip; None (pipeline=1 without an example
+    batch) traces nothing."""
     if micro is None:
         _, aliases = canonical_names(model)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        return Trace(cut_names=[], param_segments={}, param_aliases=aliases, param_shapes=shapes)
+        return Trace(cut_names=[], param_segments={}, param_aliases=aliases, param_shapes=shapes), {}
     with record_outputs(model) as seen:
         traced = trace_model(model, micro)
-    outputs.update(seen)
-    return traced
+    return traced, seen
 
 
 def partition(
@@ -139,9 +137,8 @@ def strip(
 
     def visit(name: str, module: nn.Module) -> None:
         params = list(module.parameters())
-        # A container (ModuleList, ...) is never called itself: its blocks are what gets skipped.
-        container = isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict))
-        if params and all(p.is_meta for p in params) and not isinstance(module, CutPoint) and not container:
+        # A ModuleList is never called itself (the model loops over it): its blocks are the ones skipped.
+        if params and all(p.is_meta for p in params) and not isinstance(module, (CutPoint, *CONTAINERS)):
             for sub in module.modules():
                 for bname, b in list(sub._buffers.items()):
                     if b is not None:
