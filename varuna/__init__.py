@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "CutPoint",
     "Varuna",
+    "VarunaConfig",
     "data",
     "make_schedule",
     "auto_cut",
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "CutPoint": "varuna.cut.cutpoint",
     "Varuna": "varuna.auto",
+    "VarunaConfig": "varuna.engine.config",
     "make_schedule": "varuna.schedule",
     "auto_cut": "varuna.cut.autocut",
     "consolidate": "varuna.checkpoint.consolidation",

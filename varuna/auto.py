@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from varuna.comm.rendezvous import init_distributed, launch_env
-from varuna.config import check_options
+from varuna.engine.config import check_options
 from varuna.engine.engine import Varuna as _Engine
 from varuna.errors import ConfigError, PlanError
 from varuna.planner.auto import PROFILE_FILE, AutoChoice, Fixed, device_memory, plan_for, profile_sizes

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from varuna import Varuna
-from varuna.config import VarunaConfig
 from varuna.data import SyntheticLM, collate
+from varuna.engine.config import VarunaConfig
 from varuna.errors import ConfigError
 from varuna.models import GPT, gpt_tiny
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from varuna._lazy import lazy_exports
 
 _WHERE = {
+    "EngineConfig": "config",
+    "VarunaConfig": "config",
     "Varuna": "engine",
     "StageRuntime": "runtime",
     "StepTimes": "runtime",

@@ -21,7 +21,6 @@ import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,12 +32,12 @@ from varuna._files import write_json_atomic
 from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
 from varuna.comm.p2p import P2P, GradBuckets
-from varuna.config import VarunaConfig, check_options
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
 from varuna.elastic.protocol import MORPH_EXIT, StopRequest
 from varuna.engine import stage as _stage
 from varuna.engine import train_state as _train_state
+from varuna.engine.config import VarunaConfig
 from varuna.engine.precision import LossScaler, autocast_policy
 from varuna.engine.runtime import StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError
@@ -94,7 +93,6 @@ class Varuna:
         pipeline = pipeline if pipeline is not None else (env.pipeline or 1)
         if data is None:
             data = env.data if env.data is not None else max(self.world_size // max(pipeline, 1), 1)
-        check_options(options)
         self.config = VarunaConfig(
             pipeline=pipeline,
             data=data,
@@ -111,7 +109,7 @@ class Varuna:
             **options,
         )
         cfg = self.config
-        P, D = cfg.pipeline, cfg.data
+        P, D = cfg.engine.pipeline, cfg.engine.data
         if self.world_size != P * D:
             raise ConfigError(
                 f"the job has {self.world_size} processes but pipeline x data = {P} x {D} = {P * D}; launch "
@@ -121,11 +119,11 @@ class Varuna:
         self.stage, self.replica = vdist.placement(self.rank, P)
         self.where = f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
         self.device = _device()
-        self.autocast = autocast_policy(cfg.precision, self.device.type)
-        self.scaler = LossScaler(cfg.init_loss_scale) if cfg.precision == "fp16" else None
+        self.autocast = autocast_policy(cfg.engine.precision, self.device.type)
+        self.scaler = LossScaler(cfg.engine.init_loss_scale) if cfg.engine.precision == "fp16" else None
         self.model = model
 
-        micro = None if cfg.pipeline == 1 and example_batch is None else self._example(example_batch)
+        micro = None if cfg.engine.pipeline == 1 and example_batch is None else self._example(example_batch)
         self.trace, traced = _stage.trace(model, micro)  # traced: output shapes, for skipped modules
         self.partition = _stage.partition(
             model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast
@@ -135,14 +133,17 @@ class Varuna:
         _stage.to_device(model, self.device)
         self._params = _stage.owned_parameters(model)
         self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage)
-        self._resume_path = ckpt.resolve(cfg.resume, cfg.run_dir) if cfg.resume is not None else None
+        self._resume_path = (
+            ckpt.resolve(cfg.checkpoint.resume, cfg.run_dir) if cfg.checkpoint.resume is not None else None
+        )
         if self._resume_path is None:  # a checkpoint overwrites every value anyway
             _stage.broadcast_initial_values(self._params, self.stage, self._dp_group, self._tied_groups)
 
         tied_names = {n for g in self.partition.tied for n in g.names}
         by_name = dict(self._params)
         self._buckets = GradBuckets(
-            [p for n, p in self._params if n not in tied_names], bucket_bytes=int(cfg.bucket_mb * 2**20)
+            [p for n, p in self._params if n not in tied_names],
+            bucket_bytes=int(cfg.engine.bucket_mb * 2**20),
         )
         self._tied_local = [
             (g, pg, [by_name[n] for n in g.names if n in by_name])
@@ -151,7 +152,11 @@ class Varuna:
         ]
 
         lowered = build_schedule(
-            cfg.schedule, P, cfg.num_microbatches, recompute=cfg.recompute, split_backward=cfg.split_backward
+            cfg.engine.schedule,
+            P,
+            cfg.engine.num_microbatches,
+            recompute=cfg.engine.recompute,
+            split_backward=cfg.engine.split_backward,
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
@@ -171,8 +176,8 @@ class Varuna:
             end_cut=self.partition.end_cut(self.stage),
             p2p=self._p2p,
             autocast=self.autocast,
-            recompute=cfg.uses_recompute,
-            opportunistic=schedule_spec(cfg.schedule).pull_ahead,
+            recompute=cfg.engine.uses_recompute,
+            opportunistic=schedule_spec(cfg.engine.schedule).pull_ahead,
             where=self.where,
         )
         self.optimizer: torch.optim.Optimizer | None = None
@@ -213,10 +218,10 @@ class Varuna:
     def _example(self, example_batch: Mapping[str, Any] | None) -> dict[str, Any]:
         if example_batch is None:
             raise ConfigError(
-                f"pipeline={self.config.pipeline} needs example_batch=: one batch dict, as given to step(), so "
+                f"pipeline={self.config.engine.pipeline} needs example_batch=: one batch dict, as given to step(), so "
                 "Varuna can run a forward pass to find the CutPoints and what each stage uses"
             )
-        return slice_batch(example_batch, 0, self.config.micro_batch_size)
+        return slice_batch(example_batch, 0, self.config.engine.micro_batch_size)
 
     # public API --------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -253,9 +258,9 @@ class Varuna:
 
         loader = ReplicaLoader(
             dataset,
-            global_batch_size=self.config.global_batch_size,
+            global_batch_size=self.config.engine.global_batch_size,
             replica=self.replica,
-            data_parallel=self.config.data,
+            data_parallel=self.config.engine.data,
             seed=seed,
             shuffle=shuffle,
         )
@@ -279,15 +284,15 @@ class Varuna:
                 "the engine splits it into micro-batches itself"
             )
         t0 = time.perf_counter()
-        local = cfg.global_batch_size // cfg.data
+        local = cfg.engine.global_batch_size // cfg.engine.data
         n = batch_len(batch)
         if n != local:
             raise ConfigError(
                 f"step() got a batch of {n} samples but this replica's share of the global batch is "
-                f"global_batch_size / data = {cfg.global_batch_size} / {cfg.data} = {local}; "
+                f"global_batch_size / data = {cfg.engine.global_batch_size} / {cfg.engine.data} = {local}; "
                 "use engine.batch(dataset, step) or slice varuna.data.sample_indices(...)"
             )
-        mbs, M = cfg.micro_batch_size, cfg.num_microbatches
+        mbs, M = cfg.engine.micro_batch_size, cfg.engine.num_microbatches
         micro = [slice_batch(batch, i * mbs, (i + 1) * mbs, self.device) for i in range(M)]
         self._buckets.zero_and_attach()
         for _, _, members in self._tied_local:
@@ -320,7 +325,11 @@ class Varuna:
         if self.world_size > 1:
             dist.all_reduce(flags)
         times.comm_s += time.perf_counter() - t_wait
-        loss, total_sq, stop = float(flags[0]) / cfg.data, float(flags[1]) / cfg.data, bool(flags[2] > 0)
+        loss, total_sq, stop = (
+            float(flags[0]) / cfg.engine.data,
+            float(flags[1]) / cfg.engine.data,
+            bool(flags[2] > 0),
+        )
         want_ckpt = bool(flags[3] > 0)  # telemetry: a controller's checkpoint command, agreed by all ranks
         self.should_stop = stop
         overflow = self.scaler is not None and not math.isfinite(total_sq)
@@ -333,8 +342,8 @@ class Varuna:
             norm = math.sqrt(total_sq) / scale
             self.last_grad_norm = norm
             coef = 1.0 / scale
-            if cfg.clip_grad_norm is not None and norm > cfg.clip_grad_norm:
-                coef *= cfg.clip_grad_norm / (norm + 1e-6)
+            if cfg.engine.clip_grad_norm is not None and norm > cfg.engine.clip_grad_norm:
+                coef *= cfg.engine.clip_grad_norm / (norm + 1e-6)
             if coef != 1.0 and grads:
                 torch._foreach_mul_(grads, coef)
             if self.optimizer is not None:
@@ -358,7 +367,7 @@ class Varuna:
                 "idle_s": max(times.total_s - times.compute_s - times.comm_s, 0.0),
             }
         )
-        if stop and cfg.on_stop == "exit":
+        if stop and cfg.elastic.on_stop == "exit":
             # Checkpoint now (a preempted VM has seconds), exit at the next step() so that the script
             # still sees this step's loss.
             self._morph_exit = self.checkpoint()
@@ -407,7 +416,7 @@ class Varuna:
     # reductions --------------------------------------------------------------------------------
     def _start_allreduce(self) -> None:
         if self._dp_group is not None:
-            self._works += self._buckets.allreduce_mean(self._dp_group, self.config.data)
+            self._works += self._buckets.allreduce_mean(self._dp_group, self.config.engine.data)
         self._tied_sums = []
         for _, pg, members in self._tied_local:
             grads = [p.grad for p in members if p.grad is not None]
@@ -418,7 +427,7 @@ class Varuna:
             else:
                 total = grads[0]  # reduced in place: it becomes this parameter's gradient again
             if pg is not None:
-                total.div_(self.config.data)
+                total.div_(self.config.engine.data)
                 self._works.append(dist.all_reduce(total, group=pg, async_op=True))
             self._tied_sums.append(total)
 
@@ -454,14 +463,9 @@ class Varuna:
 
             planned = "\n" + describe(self.plan_info)
         return (
-            f"Varuna {cfg.pipeline}x{cfg.data} ({cfg.schedule}, {cfg.precision}, {cfg.num_microbatches} micro-batches "
-            f"of {cfg.micro_batch_size}) — {self.where}{planned}\n{self.partition.describe()}"
+            f"Varuna {cfg.engine.pipeline}x{cfg.engine.data} ({cfg.engine.schedule}, {cfg.engine.precision}, {cfg.engine.num_microbatches} micro-batches "
+            f"of {cfg.engine.micro_batch_size}) — {self.where}{planned}\n{self.partition.describe()}"
         )
 
     def config_dict(self) -> dict[str, Any]:
-        d = asdict(self.config)
-        for key in ("run_dir", "resume"):
-            d[key] = str(d[key]) if d[key] is not None else None
-        d["shared_weights"] = [list(g) for g in d["shared_weights"]]
-        d["partition"] = d["partition"] if isinstance(d["partition"], str) else list(d["partition"])
-        return d
+        return self.config.options()

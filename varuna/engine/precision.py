@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from varuna.config import PRECISIONS
+from varuna.engine.config import PRECISIONS
 from varuna.errors import ConfigError
 
 __all__ = ["Precision", "PRECISIONS", "autocast_policy", "LossScaler"]

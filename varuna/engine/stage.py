@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna._files import write_json_atomic
-from varuna.config import VarunaConfig
 from varuna.cut.cutpoint import CONTAINERS, CutPoint
 from varuna.cut.partition import (
     Partition,
@@ -37,6 +36,7 @@ from varuna.cut.partition import (
     trace_model,
 )
 from varuna.cut.standin import SkippedForward, record_outputs
+from varuna.engine.config import VarunaConfig
 
 
 def trace(model: nn.Module, micro: dict[str, Any] | None) -> tuple[Trace, dict[str, dict[Any, Any]]]:
@@ -62,20 +62,20 @@ def partition(
     world_size: int,
     autocast: Callable[[], AbstractContextManager[object]],
 ) -> Partition:
-    """The stages `config.partition` asks for: given boundaries, or balanced by measured costs."""
-    boundaries = None if isinstance(config.partition, str) else list(config.partition)
+    """The stages `config.engine.partition` asks for: given boundaries, or balanced by measured costs."""
+    boundaries = None if isinstance(config.engine.partition, str) else list(config.engine.partition)
     costs = None
-    if boundaries is None and config.partition == "balanced" and config.pipeline > 1:
+    if boundaries is None and config.engine.partition == "balanced" and config.engine.pipeline > 1:
         assert micro is not None  # pipeline > 1 always traces an example micro-batch
         costs = _segment_costs(
             model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
         )
     return make_partition(
         trace,
-        config.pipeline,
+        config.engine.pipeline,
         boundaries=boundaries,
         segment_costs=costs,
-        shared_weights=config.shared_weights,
+        shared_weights=config.engine.shared_weights,
     )
 
 
@@ -95,7 +95,7 @@ def _segment_costs(
             "params": sorted((n, list(s)) for n, s in trace.param_shapes.items()),
             "cuts": trace.cut_names,
             "batch": {k: list(v.shape) for k, v in micro.items() if isinstance(v, torch.Tensor)},
-            "precision": config.precision,
+            "precision": config.engine.precision,
             "threads": torch.get_num_threads(),
         },
         sort_keys=True,
@@ -107,7 +107,7 @@ def _segment_costs(
         if cache is not None and cache.exists():
             box[0] = json.loads(cache.read_text())["costs"]
         else:
-            box[0] = profile_segments(model, micro, repeats=config.profile_repeats, autocast=autocast)
+            box[0] = profile_segments(model, micro, repeats=config.engine.profile_repeats, autocast=autocast)
             if cache is not None:
                 write_json_atomic(cache, {"costs": box[0], "key": json.loads(key_src)})
     if world_size > 1:
@@ -181,7 +181,7 @@ def make_groups(
 
     Every rank creates every group, in the same order (torch.distributed requires it).
     """
-    P, D = config.pipeline, config.data
+    P, D = config.engine.pipeline, config.engine.data
     dp_group = None
     if D > 1:
         for s in range(P):

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna.checkpoint import layout as ckpt
-from varuna.config import VarunaConfig
 from varuna.cut.partition import canonical_names
+from varuna.engine.config import VarunaConfig
 from varuna.engine.precision import LossScaler
 from varuna.errors import CheckpointError
 
@@ -93,14 +93,14 @@ def save(
         "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
         "optimizer_groups": groups,
         "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
-        "world": {"pipeline": config.pipeline, "data": config.data},
+        "world": {"pipeline": config.engine.pipeline, "data": config.engine.data},
         "state_dict": layout,
         "model": {
             "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "parameters": sum(p.numel() for p in model.parameters()),
         },
     }
-    path, size = ckpt.save(root, step, tensors, extra, rank=rank, keep=config.checkpoint_keep)
+    path, size = ckpt.save(root, step, tensors, extra, rank=rank, keep=config.checkpoint.checkpoint_keep)
     record = {
         "path": str(path),
         "bytes": size,
@@ -150,10 +150,10 @@ def resume(
         raise CheckpointError(problem[0])
     extra = ckpt.read_extra(path)
     saved_batch = extra["config"]["global_batch_size"]
-    if saved_batch != config.global_batch_size and not config.allow_batch_change:
+    if saved_batch != config.engine.global_batch_size and not config.checkpoint.allow_batch_change:
         raise CheckpointError(
             f"checkpoint {path} was trained with global_batch_size={saved_batch}, this run asks for "
-            f"{config.global_batch_size}; a morph keeps the global batch so that the run stays the same "
+            f"{config.engine.global_batch_size}; a morph keeps the global batch so that the run stays the same "
             "training. Use the same global_batch_size, or pass allow_batch_change=True to change it knowingly."
         )
     stored = ckpt.stored_tensors(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from varuna._lazy import lazy_exports
 
 _WHERE = {
+    "PlannerConfig": "config",
     "CostTable": "costs",
     "SegmentCost": "costs",
     "NetworkCost": "network",

@@ -1,0 +1,204 @@
+"""The settings of a Varuna job, as the user gives them: one flat set of keyword arguments, each
+owned and validated by the component that reads it.
+
+    Varuna(model, pipeline=2, data=2, ..., checkpoint_keep=5, memory_limit="16GiB", on_stop="flag")
+            |                                   |                   |                 |
+      EngineConfig (here)        CheckpointConfig (varuna.checkpoint) PlannerConfig  ElasticConfig
+
+`VarunaConfig(**options)` routes each keyword to its component's dataclass (which validates it where
+it is made, so a bad value fails before any process group exists), keeps `run_dir` for the job as a
+whole, and reads flat (`config.pipeline`, `config.checkpoint_keep`) for scripts and notebooks. An
+option no component owns is a ConfigError naming the closest and every valid one. `options()` gives
+the flat form back (engine.json, checkpoints' extra data). The engine builds it, so it lives here.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from varuna.checkpoint.config import CheckpointConfig
+from varuna.elastic.config import ElasticConfig
+from varuna.errors import ConfigError
+from varuna.planner.config import PlannerConfig
+from varuna.schedule import SCHEDULES, schedule_spec
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+"""The precisions an engine trains in (`varuna.engine.precision` applies them)."""
+
+__all__ = ["VarunaConfig", "EngineConfig", "OPTIONS", "PRECISIONS", "check_options", "positive_int"]
+
+
+def positive_int(name: str, value: object) -> None:
+    """ConfigError unless `value` is an int >= 1 (a bool or a string is not)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How one replica of the pipeline is laid out and how a step runs on it."""
+
+    pipeline: int
+    """P: number of pipeline stages."""
+    data: int
+    """D: number of data-parallel replicas of the pipeline."""
+    global_batch_size: int
+    """Samples per optimizer step over all replicas; stays fixed when P x D changes."""
+    micro_batch_size: int
+    """Samples per micro-batch; each replica runs global_batch_size / (data * micro_batch_size) of them."""
+    schedule: Literal["gpipe", "1f1b", "varuna"] = "1f1b"
+    """Order of forward/backward work on each stage (see varuna.schedule)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32, or autocast to bf16 or fp16 (fp16 adds a loss scaler agreed over all ranks)."""
+    shared_weights: Sequence[Sequence[str]] = ()
+    """Groups of parameter names that are one weight (gradients summed, values kept equal)."""
+    partition: Literal["balanced", "uniform"] | Sequence[int] = "balanced"
+    """'balanced' by measured time per segment, 'uniform' by parameter count, or P-1 CutPoint indices."""
+    recompute: bool | None = None
+    """Recompute forward just before backward on non-last stages; default: only for 'varuna'."""
+    split_backward: bool = True
+    """On stages after the first, compute the input gradient of the step's first and last backward
+    before their weight gradients, and send it at once: the previous stage waits for it, nobody
+    for the weights (see varuna.schedule.split_backwards). False: one plain backward() each."""
+    clip_grad_norm: float | None = None
+    """Clip gradients by their global norm over all stages (None: no clipping)."""
+    bucket_mb: float = 25.0
+    """Size of the data-parallel all-reduce buckets."""
+    init_loss_scale: float = 2.0**16
+    """First fp16 loss scale."""
+    profile_repeats: int = 3
+    """Measured repetitions of the start-up segment profile."""
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline", "data", "global_batch_size", "micro_batch_size", "profile_repeats"):
+            positive_int(name, getattr(self, name))
+        per_step = self.data * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by data x micro_batch_size = "
+                f"{self.data} x {self.micro_batch_size} = {per_step}; choose a global batch that is a multiple "
+                f"of {per_step} (e.g. {max(per_step, self.global_batch_size // per_step * per_step)}) or "
+                "another micro_batch_size"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is not one of {tuple(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is not one of {PRECISIONS}")
+        if isinstance(self.partition, str):
+            if self.partition not in ("balanced", "uniform"):
+                raise ConfigError(
+                    f"partition={self.partition!r}: use 'balanced', 'uniform' or a list of P-1 CutPoint indices"
+                )
+        elif not all(isinstance(b, int) for b in self.partition):
+            raise ConfigError(
+                f"partition={list(self.partition)!r} must be a list of integer CutPoint indices"
+            )
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
+        for name in ("bucket_mb", "init_loss_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches each replica runs per step."""
+        return self.global_batch_size // (self.data * self.micro_batch_size)
+
+    @property
+    def uses_recompute(self) -> bool:
+        return schedule_spec(self.schedule).recompute if self.recompute is None else self.recompute
+
+
+_COMPONENTS: dict[str, type] = {
+    "engine": EngineConfig,
+    "checkpoint": CheckpointConfig,
+    "planner": PlannerConfig,
+    "elastic": ElasticConfig,
+}
+OPTIONS: dict[str, str] = {f.name: part for part, cls in _COMPONENTS.items() for f in fields(cls)} | {
+    "run_dir": "job"
+}
+"""Every user-facing option, mapped to the component that owns it ("job": the config itself)."""
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """ConfigError for a keyword that is not an option, naming the closest ones and every valid one
+    (a misspelt option would otherwise be a TypeError from deep inside)."""
+    unknown = [name for name in options if name not in OPTIONS]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, list(OPTIONS), n=2)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        raise ConfigError(
+            f"Varuna(...) got an unknown option {name!r}; {hint}the options are: {', '.join(sorted(OPTIONS))}"
+        )
+
+
+class VarunaConfig:
+    """How one training job is laid out and run: the components' configs and the run directory."""
+
+    __slots__ = ("engine", "checkpoint", "planner", "elastic", "run_dir")
+
+    engine: EngineConfig
+    checkpoint: CheckpointConfig
+    planner: PlannerConfig
+    elastic: ElasticConfig
+    run_dir: Path | None
+    """Where caches, logs and checkpoints go; None keeps nothing on disk."""
+
+    def __init__(self, *, run_dir: str | Path | None = None, **options: Any) -> None:
+        check_options(options)
+        parts: dict[str, dict[str, Any]] = {part: {} for part in _COMPONENTS}
+        for name, value in options.items():
+            parts[OPTIONS[name]][name] = value
+        missing = [
+            n for n in ("pipeline", "data", "global_batch_size", "micro_batch_size") if n not in options
+        ]
+        if missing:
+            raise ConfigError(f"VarunaConfig needs {', '.join(missing)} (positive integers)")
+        self.engine = EngineConfig(**parts["engine"])
+        self.checkpoint = CheckpointConfig(**parts["checkpoint"])
+        self.planner = PlannerConfig(**parts["planner"])
+        self.elastic = ElasticConfig(**parts["elastic"])
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        """Flat reading: `config.pipeline` is `config.engine.pipeline`, and so on for every option."""
+        part = OPTIONS.get(name)
+        if part is None or part == "job":
+            raise AttributeError(f"VarunaConfig has no option {name!r}")
+        return getattr(getattr(self, part), name)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.engine.num_microbatches
+
+    @property
+    def uses_recompute(self) -> bool:
+        return self.engine.uses_recompute
+
+    def options(self) -> dict[str, Any]:
+        """The flat keyword form, JSON-ready: `VarunaConfig(**config.options())` makes an equal config."""
+        flat: dict[str, Any] = {}
+        for part in _COMPONENTS:
+            flat |= asdict(getattr(self, part))
+        flat["run_dir"] = self.run_dir
+        for key in ("run_dir", "resume"):
+            flat[key] = str(flat[key]) if flat[key] is not None else None
+        flat["shared_weights"] = [list(g) for g in flat["shared_weights"]]
+        if not isinstance(flat["partition"], str):
+            flat["partition"] = list(flat["partition"])
+        return flat
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VarunaConfig) and self.options() == other.options()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"VarunaConfig({', '.join(f'{k}={v!r}' for k, v in self.options().items())})"
