@@ -1,23 +1,24 @@
 """`JobController`: start, watch and steer a job from a Python process that is never an MPI rank.
 
-    ctl = JobController.start(["train.py"], pipeline=2, data=2)     # launches via varuna.launch.job.Job
+    ctl = JobController.start(["train.py"], pipeline=2, data=2)     # the job's agent launches it
     ctl.state                       # starting, running, checkpointing, morphing, stopped, failed, finished
     ctl.timeline(); ctl.step_metrics(); ctl.memory(); ctl.ranks()    # plain data for the widgets
     ctl.checkpoint()                # every rank checkpoints at the end of the same step
     ctl.resize(pipeline=4, data=1)  # stop with a checkpoint, relaunch in the new shape from it
     ctl.stop(); ctl.resume()        # ... and later relaunch from checkpoints/latest
-    JobController.attach("runs/x")  # after a kernel restart: replay the log, reconnect if it runs
+    JobController.attach("runs/x")  # after a kernel restart: full control again, and the live view
 
-Workers PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for
-commands (both bound to loopback unless `interface=` says otherwise; see varuna.telemetry.events). A
-supervisor thread runs `Job.start()`/`Job.wait()` and, after a morph exit (75) that it did not
-ask for as a stop, relaunches in the queued shape, as `varuna run --elastic` does. No Jupyter here.
+The job does not live in this process: `start` hands it to its own supervisor process
+(`varuna.launch.agent`), which runs mpiexec in a session of its own and relaunches after morphs, so a
+kernel that crashes or restarts takes nothing with it. This process talks to the agent through files in
+the run directory (the agent's state and notes; the intents it writes) and to the ranks over ZeroMQ:
+they PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for commands (bound
+to loopback unless `interface=` says otherwise; see varuna.telemetry.events). No Jupyter here.
 """
 
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 import uuid
@@ -27,24 +28,23 @@ from typing import Any, Literal
 
 import zmq
 
-from varuna.elastic.protocol import (
-    MORPH_EXIT,
-    Shape,
-    live_workers,
-    request_resize,
-)
+from varuna._files import write_json_atomic
+from varuna.elastic.protocol import MORPH_EXIT, live_workers, request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
-from varuna.elastic.supervisor import USER_STOP, hostfile_slots, next_shape
+from varuna.elastic.supervisor import USER_STOP
 from varuna.errors import ConfigError, LaunchError
+from varuna.launch import agent as _agent
 from varuna.launch.job import Job
-from varuna.launch.launches import ConsoleTail, DeadRank, Launch, post_mortem
+from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
+from varuna.launch.pids import check_status
 from varuna.telemetry import events as _events
 from varuna.telemetry.channel import Channel
 from varuna.telemetry.store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
 
-__all__ = ["JobController", "JobState", "DeadRank"]
+__all__ = ["JobController", "JobState", "DeadRank", "LaunchView"]
 
 JobState = Literal["starting", "running", "checkpointing", "morphing", "stopped", "failed", "finished"]
+TERMINAL = ("stopped", "failed", "finished")
 
 
 class JobController:
@@ -56,22 +56,22 @@ class JobController:
         self.key = key or _events.new_key()
         self.store = EventStore()
         self.console = ConsoleTail()
-        self._state: JobState = "starting"
-        self._intent: str | None = None
-        self._launches: list[Launch] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closing = threading.Event()
         self._channel: Channel | None = None
         self._threads: list[threading.Thread] = []
-        self._argv: list[str] = []
-        self._job_options: dict[str, Any] = {}
-        self._attached_pids: list[int] = []
-        self._morph_from: Launch | None = None
-        self.elastic = True
-        """Relaunch after a morph exit (a resize, a stop-for-morph); False: a morph exit ends the job."""
-        self._slots: int | None = None
+        self._views: dict[str, LaunchView] = {}
+        self._order: list[str] = []
+        self._agent_state: dict[str, Any] | None = None
+        self._overlay: tuple[str, str | None] | None = None  # ("morphing", from job) / ("checkpointing", job)
+        self._notes = FileTail(self.run_dir / _agent.NOTES)
+        self._console_log = FileTail(self.run_dir / "logs" / "console.log")
+        self._reconciled: set[str] = set()
+        self._legacy: JobState | None = None  # a run without an agent (`varuna run`): attach only
+        self.error: str | None = None
+        """Why the job's supervisor failed, when it did."""
 
-    # sockets -----------------------------------------------------------------------------------
+    # sockets and files -------------------------------------------------------------------------
     def _bind(self, events: str | None = None, commands: str | None = None) -> None:
         self._channel = Channel(
             self.run_dir, self.key, self.store.add, interface=self.interface, events=events, commands=commands
@@ -91,7 +91,7 @@ class JobController:
 
     def _note(self, kind: str, **fields: Any) -> None:
         """An event of the controller's own, stored and logged to events/controller.jsonl."""
-        job = self._launches[-1].job.job_id if self._launches else None
+        job = self._order[-1] if self._order else None
         event = {
             "type": kind,
             "rank": None,
@@ -104,6 +104,54 @@ class JobController:
         log = _events.EventLog(self.run_dir / "events" / "controller.jsonl")
         log.write(event)
         log.close()
+
+    def _pump(self) -> None:
+        """Bring in what the agent wrote since the last call: its state, notes and the console; the
+        ranks' own logs of a launch that ended (messages lost at exit)."""
+        with self._lock:
+            self._agent_state = _agent.read_state(self.run_dir) or self._agent_state
+            for line in self._notes.lines():
+                try:
+                    self.store.add(json.loads(line))
+                except ValueError:
+                    continue
+            for line in self._console_log.lines():
+                self.console.write(line + "\n")
+            for record in (self._agent_state or {}).get("launches", []):
+                self._view(record)
+            ended = [
+                v.job_id
+                for v in self._views.values()
+                if v.code is not None and v.job_id not in self._reconciled
+            ]
+            if ended:
+                for event in _events.read_events(self.run_dir):
+                    if event.get("job") in ended:
+                        self.store.add(event)
+                self._reconciled.update(ended)
+
+    def _view(self, record: dict[str, Any]) -> LaunchView:
+        view = self._views.get(record["job_id"])
+        if view is None:
+            view = LaunchView(record["job_id"], record["pipeline"], record["data"], record["world"])
+            self._views[view.job_id] = view
+            self._order.append(view.job_id)
+        view.code, view.summary = record.get("code"), list(record.get("summary") or [])
+        view.dead = [DeadRank(**d) for d in record.get("dead") or []]
+        return view
+
+    def _loop(self) -> None:
+        while not self._closing.wait(0.1):
+            self._pump()
+
+    def _intent(self, what: str) -> None:
+        """Tell the agent what the next exit means (or to signal the job now)."""
+        path = self.run_dir / _agent.AGENT_DIR / _agent.INTENT
+        try:
+            seq = int(json.loads(path.read_text())["seq"])
+        except (OSError, ValueError, KeyError, TypeError):
+            seq = int((self._agent_state or {}).get("intent_seq") or 0)
+        write_json_atomic(path, {"seq": seq + 1, "intent": what, "time": time.time()})
 
     # starting ----------------------------------------------------------------------------------
     @classmethod
@@ -121,169 +169,152 @@ class JobController:
         timeout_s: float | None = None,
         grace_s: float = 10.0,
         resume: str | None = None,
+        max_restarts: int = 0,
     ) -> JobController:
-        """Launch `script_argv` at `pipeline` x `data` through `varuna.launch.job.Job`; return at once."""
+        """Launch `script_argv` at `pipeline` x `data` under its own agent process; return at once.
+
+        The arguments are checked here, in the caller. With `elastic`, a morph exit relaunches in the
+        queued shape; a failure relaunches from the latest checkpoint up to `max_restarts` times."""
         run_dir = (
             Path(run_dir) if run_dir is not None else Path.cwd() / "runs" / time.strftime("%Y%m%d-%H%M%S")
         )
+        hostfile = Path(hostfile).absolute() if hostfile else None
+        Job(
+            list(script_argv),
+            pipeline=pipeline,
+            data=data,
+            run_dir=run_dir,
+            hostfile=hostfile,
+            timeout_s=timeout_s,
+        )
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ConfigError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
         self = cls(run_dir, interface=interface)
-        self.elastic = elastic
-        self._argv = list(script_argv)
-        self._job_options = {
-            "hostfile": Path(hostfile) if hostfile else None,
-            "timeout_s": timeout_s,
-            "grace_s": grace_s,
-            "env": dict(env or {}),
-        }
-        self._slots = hostfile_slots(Path(hostfile)) if hostfile else None  # an edited hostfile resizes
         self._bind()
+        spec = {
+            "argv": list(script_argv), "hostfile": str(hostfile) if hostfile else None, "timeout_s": timeout_s,
+            "grace_s": grace_s, "elastic": elastic, "max_restarts": max_restarts, "env": dict(env or {}),
+        }  # fmt: skip
         try:
-            job = self._make_job(pipeline, data, resume)  # validates the arguments here, in the caller
+            self._launch_agent(spec, pipeline, data, resume)
         except BaseException:
             self.close()
             raise
-        self._spawn(lambda: self._supervise(job))
         return self
 
-    def _make_job(self, pipeline: int, data: int, resume: str | None) -> Job:
-        opts = self._job_options
-        env = {**opts["env"], "VARUNA_EVENTS": self.events_address, "VARUNA_EVENTS_KEY": self.key}
-        env["VARUNA_COMMANDS"] = self.commands_address
-        env["VARUNA_LAUNCH"] = str(len(self._launches) + 1)
-        if resume is not None:
-            env["VARUNA_RESUME"] = resume
-        job = Job(
-            self._argv, pipeline=pipeline, data=data, run_dir=self.run_dir, hostfile=opts["hostfile"],
-            extra_env=env, timeout_s=opts["timeout_s"], grace_s=opts["grace_s"], stdout=self.console, stderr=self.console,
-        )  # fmt: skip
-        return job
-
-    def _supervise(self, job: Job) -> None:
-        while True:
-            launch = Launch(job, job.world)
-            with self._lock:
-                self._launches.append(launch)
-                self._state = (
-                    "morphing" if len(self._launches) > 1 and self._state == "morphing" else "starting"
+    def _launch_agent(self, spec: dict[str, Any], pipeline: int, data: int, resume: str | None) -> None:
+        """Start the job's agent in a session of its own; the key goes in its environment only."""
+        spec = {**spec, "pipeline": pipeline, "data": data, "resume": resume}
+        spec["env"] = {
+            **spec["env"],
+            "VARUNA_EVENTS": self.events_address,
+            "VARUNA_COMMANDS": self.commands_address,
+        }
+        proc = _agent.spawn(self.run_dir, spec, self.key)
+        with self._lock:
+            self._agent_state = None  # the previous agent's state (of a resumed job) is history
+        # The agent writes its state first thing; until then its state is "starting".
+        self._spawn(self._loop)
+        deadline = time.monotonic() + 30.0
+        while (st := _agent.read_state(self.run_dir)) is None or st.get("pid") != proc.pid:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the job's agent did not start (exit code {proc.poll()}); see {self.run_dir / 'logs' / 'agent.log'}"
                 )
-            try:
-                job.start()
-                self._note("job_start", pipeline=job.pipeline, data=job.data, world=job.world)
-                code = job.wait()
-            except Exception as exc:  # noqa: BLE001 - the controller must say why, not die silently
-                self.console.write(f"varuna: launch failed: {exc!r}\n")
-                code = -1
-            launch.code = code
-            self._after(launch)
-            with self._lock:
-                intent = self._intent
-                if code == MORPH_EXIT and intent != "stop" and self.elastic:
-                    self._state, self._intent = "morphing", None
-                else:
-                    self._state = (
-                        "finished" if code == 0
-                        else "stopped" if code == MORPH_EXIT or (intent == "stop" and code in USER_STOP)
-                        else "failed"
-                    )  # fmt: skip
-            self._note("job_end", exit_code=code, state=self._state, summary=job.summary)
-            if self._state != "morphing":
-                return
-            hostfile = self._job_options["hostfile"]
-            shape = next_shape(self.run_dir, Shape(job.pipeline, job.data), hostfile, self._slots)
-            if hostfile is not None:
-                self._slots = hostfile_slots(hostfile)
-            job = self._make_job(shape.pipeline, shape.data, "latest")
-
-    def _after(self, launch: Launch) -> None:
-        """Reconcile the logs (messages lost at exit), then note each rank's `exit` and the dead ranks."""
-        for event in _events.read_events(self.run_dir):
-            if event.get("job") == launch.job.job_id:
-                self.store.add(event)
-        for record in post_mortem(self.run_dir, launch):
-            self._note("exit", **record)
+            time.sleep(0.02)
 
     # attaching ---------------------------------------------------------------------------------
     @classmethod
     def attach(cls, run_dir: str | Path, *, reconnect: bool = True) -> JobController:
-        """Reattach to the job of `run_dir`: replay its events; reconnect when it still runs."""
+        """Reattach to the job of `run_dir`: replay its events and, while it runs, take over its
+        addresses (after the first controller closed or died) with full control."""
         run_dir = Path(run_dir).absolute()
-        if not (run_dir / "job.json").exists():
+        if not (run_dir / "job.json").exists() and _agent.read_state(run_dir) is None:
             raise ConfigError(f"{run_dir} is not a varuna run directory (it has no job.json)")
         info = _events.read_controller_info(run_dir) or {}
         self = cls(run_dir, key=info.get("key"))
-        self.elastic = False
         for event in _events.read_events(run_dir):
             self.store.add(event)
-        job = json.loads((run_dir / "job.json").read_text())
-        self._attached_pids = live_workers(run_dir)
-        if "end" not in job and self._attached_pids:
-            self._state = "running"
-            if reconnect and info.get("events"):
-                try:
-                    self._bind(info["events"], info.get("commands"))
-                except zmq.ZMQError as exc:
-                    raise LaunchError(
-                        f"cannot listen on {info['events']} again ({exc}): is the job's first controller still "
-                        "open? close() it, or attach with reconnect=False to replay only"
-                    ) from exc
-                self._spawn(self._watch)
-        else:
+        self._pump()
+        if self._agent_state is None:
+            job = json.loads((run_dir / "job.json").read_text())
             code = job.get("exit_code")
-            self._state = (
-                "finished" if code == 0 else "stopped" if code in (MORPH_EXIT, *USER_STOP) else "failed"
+            live = "end" not in job and live_workers(run_dir)
+            self._legacy = (
+                "running"
+                if live
+                else "finished"
+                if code == 0
+                else "stopped"
+                if code in (MORPH_EXIT, *USER_STOP)
+                else "failed"
             )
+            return self
+        if self.state not in TERMINAL and reconnect and info.get("events"):
+            try:
+                self._bind(info["events"], info.get("commands"))
+            except zmq.ZMQError as exc:
+                raise LaunchError(
+                    f"cannot listen on {info['events']} again ({exc}): is the job's first controller still "
+                    "open? close() it, or attach with reconnect=False to replay only"
+                ) from exc
+        self._spawn(self._loop)
         return self
-
-    def _watch(self) -> None:
-        """An attached job has no Job object: watch its workers, then read its end from job.json."""
-        while not self._closing.is_set() and live_workers(self.run_dir):
-            time.sleep(0.2)
-        deadline = time.monotonic() + 30.0  # the launcher writes the end after its clean-up
-        while (
-            "end" not in (job := json.loads((self.run_dir / "job.json").read_text()))
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.2)
-        code = job.get("exit_code")
-        self._state = "finished" if code == 0 else "stopped" if code in (MORPH_EXIT, *USER_STOP) else "failed"
 
     # state and health --------------------------------------------------------------------------
     @property
     def state(self) -> JobState:
         """starting, running, checkpointing, morphing, stopped, failed or finished."""
+        if self._legacy is not None:
+            return self._legacy
+        self._pump()
         with self._lock:
-            state = self._state
-            launch = self._launches[-1] if self._launches else None
-        if (
-            state in ("starting", "morphing")
-            and launch is not None
-            and launch.code is None
-            and launch is not self._morph_from
-        ):
-            ready = {e["rank"] for e in self.store.events("ready", job=launch.job.job_id)}
-            if len(ready) == launch.world:
-                with self._lock:
-                    if self._state == state:
-                        self._state = state = "running"
-        return state
+            st = self._agent_state or {}
+            word = st.get("state", "starting")
+            last = self._views[self._order[-1]] if self._order else None
+            if word in TERMINAL:
+                self._overlay, self.error = None, st.get("error")
+                return word  # type: ignore[no-any-return]
+            if st and not check_status(st).live:
+                self.error = f"the job's agent (pid {st.get('pid')}) is gone; see {self.run_dir / 'logs' / 'agent.log'}"
+                return "failed"
+            if self._overlay is not None:
+                kind, job = self._overlay
+                if (
+                    kind == "checkpointing"
+                    or (last is not None and last.job_id == job)
+                    or last is None
+                    or last.code is not None
+                ):
+                    return kind  # type: ignore[return-value]
+                self._overlay = None
+            if last is not None and last.code is None:
+                ready = {e["rank"] for e in self.store.events("ready", job=last.job_id)}
+                if len(ready) == last.world:
+                    return "running"
+            return "morphing" if word == "morphing" else "starting"
 
     @property
-    def job(self) -> Job | None:
-        """The current (or last) launch's `Job`."""
-        return self._launches[-1].job if self._launches else None
+    def job(self) -> LaunchView | None:
+        """The current (or last) launch."""
+        self._pump()
+        return self._views[self._order[-1]] if self._order else None
 
     @property
     def exit_code(self) -> int | None:
         """The last launch's exit code, None while it runs."""
-        return self._launches[-1].code if self._launches else None
+        job = self.job
+        return job.code if job is not None else None
 
     def dead_ranks(self) -> list[DeadRank]:
         """The ranks of the last launch that died (the first to die marked `first`)."""
-        return list(self._launches[-1].dead) if self._launches else []
+        job = self.job
+        return list(job.dead) if job is not None else []
 
     def summary(self) -> list[str]:
         """The launcher's summary of the last launch (which rank failed first, and why)."""
-        return list(self._launches[-1].job.summary) if self._launches else []
+        job = self.job
+        return list(job.summary) if job is not None else []
 
     def hellos(self) -> set[int]:
         """Ranks of the current launch that said hello."""
@@ -318,22 +349,24 @@ class JobController:
         Raises TimeoutError when not every rank reported within `timeout` seconds.
         """
         launch = self._running_launch("checkpoint")
-        before = len(self.store.events("checkpoint_done", job=launch.job.job_id))
+        before = len(self.store.events("checkpoint_done", job=launch.job_id))
         with self._lock:
-            self._state = "checkpointing"
-        self._send("checkpoint")
+            self._overlay = ("checkpointing", launch.job_id)
+        try:
+            self._send("checkpoint")
 
-        def done() -> bool:
-            return (
-                len(self.store.events("checkpoint_done", job=launch.job.job_id)) >= before + launch.world
-                or launch.code is not None
-            )
+            def done() -> bool:
+                return (
+                    len(self.store.events("checkpoint_done", job=launch.job_id)) >= before + launch.world
+                    or self.exit_code is not None
+                )
 
-        self._wait_until(done, timeout)
-        with self._lock:
-            if self._state == "checkpointing":
-                self._state = "running"
-        events = self.store.events("checkpoint_done", job=launch.job.job_id)[before:]
+            self._wait_until(done, timeout)
+        finally:
+            with self._lock:
+                if self._overlay is not None and self._overlay[0] == "checkpointing":
+                    self._overlay = None
+        events = self.store.events("checkpoint_done", job=launch.job_id)[before:]
         if len(events) < launch.world:
             raise TimeoutError(
                 f"{len(events)} of {launch.world} ranks reported checkpoint_done within {timeout:g} s"
@@ -344,15 +377,15 @@ class JobController:
         """Stop the job: with `checkpoint`, every rank checkpoints at the end of the step and exits
         (the morph path); without, at once (SIGKILL). Falls back to SIGTERM after `timeout` s."""
         launch = self._running_launch("stop")
-        with self._lock:
-            self._intent = "stop"
-            self._state = "checkpointing" if checkpoint else self._state
         if not checkpoint:
-            launch.job.stop(signal.SIGKILL)
+            self._intent("kill")
             return self.wait(timeout)
+        self._intent("stop")
+        with self._lock:
+            self._overlay = ("checkpointing", launch.job_id)
         self._send("stop", checkpoint=True)
-        if self.wait(timeout) not in ("stopped", "failed", "finished"):
-            launch.job.stop(signal.SIGTERM)
+        if self.wait(timeout) not in TERMINAL:
+            self._intent("terminate")
         return self.wait(timeout)
 
     def resize(
@@ -366,10 +399,11 @@ class JobController:
                        reason=choice.reason)  # fmt: skip
         if pipeline is None or data is None:
             raise ConfigError("resize needs pipeline= and data=, or gpus=")
-        self._morph_from = self._running_launch("resize")
+        launch = self._running_launch("resize")
         request_resize(self.run_dir, pipeline=pipeline, data=data, notify=False)
+        self._intent("resize")
         with self._lock:
-            self._intent, self._state = "resize", "morphing"
+            self._overlay = ("morphing", launch.job_id)
         self._send("stop", checkpoint=True, reason="resize")
         return self.state
 
@@ -382,38 +416,38 @@ class JobController:
         self, checkpoint: str | Path = "latest", *, pipeline: int | None = None, data: int | None = None
     ) -> JobState:
         """Relaunch a stopped or failed job from `checkpoint` ("latest" or a checkpoint directory)."""
-        if self.state not in ("stopped", "failed", "finished"):
+        if self.state not in TERMINAL:
             raise LaunchError(f"resume() needs a stopped or failed job; this one is {self.state}")
         last = self.job
-        if last is None:
+        spec_path = self.run_dir / _agent.AGENT_DIR / _agent.SPEC
+        if spec_path.exists():
+            spec = json.loads(spec_path.read_text())
+        else:  # a run started by `varuna run`
             job = json.loads((self.run_dir / "job.json").read_text())
-            self._argv, self._job_options = (
-                list(job["argv"]),
-                {"hostfile": None, "timeout_s": None, "grace_s": 10.0, "env": {}},
-            )
-            pipeline, data = pipeline or job["pipeline"], data or job["data"]
-        else:
-            pipeline, data = pipeline or last.pipeline, data or last.data
+            spec = {"argv": list(job["argv"]), "pipeline": job["pipeline"], "data": job["data"], "env": {}}
+        spec["env"] = {
+            k: v for k, v in spec.get("env", {}).items() if k not in ("VARUNA_EVENTS", "VARUNA_COMMANDS")
+        }
+        pipeline = pipeline or (last.pipeline if last is not None else int(spec["pipeline"]))
+        data = data or (last.data if last is not None else int(spec["data"]))
+        Job(list(spec["argv"]), pipeline=pipeline, data=data, run_dir=self.run_dir)  # checks the shape here
         if self._channel is None:
             self._bind()
-        with self._lock:
-            self._state, self._intent = "starting", None
-        self._spawn(lambda: self._supervise(self._make_job(pipeline, data, str(checkpoint))))
-        self._wait_until(lambda: self.exit_code is None and self.job is not last, 10.0)
+        self._legacy = None
+        self._closing.clear()
+        self._launch_agent(spec, pipeline, data, str(checkpoint))
+        self._wait_until(lambda: self.job is not last, 10.0)
         return self.state
 
     def set(self, **options: Any) -> None:
         """Change telemetry settings on every rank, e.g. `set(spans_every=10)`."""
         self._send("set", **options)
 
-    def _running_launch(self, what: str) -> Launch:
-        if (
-            not self._launches
-            or self._launches[-1].code is not None
-            or self.state in ("stopped", "failed", "finished")
-        ):
-            raise LaunchError(f"{what}() needs a running job; this one is {self.state}")
-        return self._launches[-1]
+    def _running_launch(self, what: str) -> LaunchView:
+        job, state = self.job, self.state
+        if job is None or job.code is not None or state in TERMINAL or self._legacy is not None:
+            raise LaunchError(f"{what}() needs a running job; this one is {state}")
+        return job
 
     # views -------------------------------------------------------------------------------------
     def timeline(self, last_steps: int = 3) -> Timeline:
@@ -441,8 +475,11 @@ class JobController:
         return path
 
     def close(self) -> None:
-        """Stop receiving and close the sockets (a running job keeps running)."""
+        """Stop receiving and close the sockets (a running job keeps running under its agent)."""
         self._closing.set()
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._threads = []
         if self._channel is not None:
             self._channel.close()
             self._channel = None

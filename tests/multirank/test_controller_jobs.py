@@ -42,10 +42,8 @@ def ctl(tmp_path_factory: pytest.TempPathFactory):
         [SCRIPT, "100000", "0.05"], pipeline=2, data=1, run_dir=run_dir, grace_s=5.0
     )
     yield controller
-    job = controller.job
-    if job is not None and job.state == "running":
-        job.stop(signal.SIGKILL)
-        job.wait()
+    if controller.state not in ("stopped", "failed", "finished"):
+        controller.stop(checkpoint=False, timeout=30)
     controller.close()
 
 

@@ -40,7 +40,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -291,9 +290,8 @@ def _job(bench: TelemetryBench, tmp: Path) -> tuple[dict[str, Any], dict[str, An
             "channel_dropped": ctl._channel.dropped if ctl._channel is not None else None,
         }
     finally:
-        if ctl.exit_code is None and ctl.job is not None and ctl.job.state == "running":
-            ctl.job.stop(signal.SIGKILL)  # an error or ^C here must not leave the ranks running
-            ctl.wait(timeout=30)
+        if ctl.state not in ("stopped", "failed", "finished"):
+            ctl.stop(checkpoint=False, timeout=30)  # an error or ^C here must not leave the ranks running
         ctl.close()
     log(f"{name}: done in {time.perf_counter() - t0:.1f} s")
     return json.loads(out.read_text()), got

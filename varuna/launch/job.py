@@ -226,6 +226,7 @@ class Job:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while chunk := os.read(pipe.fileno(), 65536):
             self._console.write(chunk)
+            self._console.flush()  # the live console of a job whose starter may be gone
             self._tail = (self._tail + chunk)[-65536:]
             target.write(decoder.decode(chunk))
             target.flush()

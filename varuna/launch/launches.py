@@ -17,7 +17,7 @@ from typing import Any
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.job import Job, read_reports
 
-__all__ = ["DeadRank", "ConsoleTail", "Launch", "post_mortem"]
+__all__ = ["DeadRank", "ConsoleTail", "FileTail", "Launch", "LaunchView", "post_mortem"]
 
 
 @dataclass(slots=True)
@@ -65,6 +65,39 @@ class Launch:
     world: int
     code: int | None = None
     dead: list[DeadRank] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class LaunchView:
+    """One launch of the job as its agent reports it (one object per launch, updated in place)."""
+
+    job_id: str
+    pipeline: int
+    data: int
+    world: int
+    code: int | None = None
+    """The launch's exit code, None while it runs."""
+    summary: list[str] = field(default_factory=list)
+    dead: list[DeadRank] = field(default_factory=list)
+
+
+class FileTail:
+    """New complete lines of a growing file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        self.offset += len(chunk)
+        parts = (self.partial + chunk).split(b"\n")
+        self.partial = parts.pop()
+        return [p.decode("utf-8", "replace") for p in parts]
 
 
 def post_mortem(run_dir: Path, launch: Launch) -> list[dict[str, Any]]:

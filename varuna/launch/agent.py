@@ -1,0 +1,248 @@
+"""A job's own supervisor process: the job outlives the notebook that started it.
+
+A notebook kernel can crash or be restarted at any time. So `JobController.start` does not run
+``mpiexec`` itself: it starts this agent (``python -m varuna.launch.agent RUN_DIR``) in a session of
+its own, with its output in ``RUN_DIR/logs/agent.log``, and the agent runs the launches, in the spirit
+of TorchElastic's agent::
+
+    controller (kernel)                     agent (own session)                       mpiexec + ranks
+    start():  agent/spec.json, key in env -> Job.start() -----------------------------> ranks
+    resize(): resize request, stop command ----------------------------(ZMQ)---------> exit 75
+                                            75, no stop intent: next shape, relaunch -> ranks
+    stop():   agent/intent.json "stop"      75 with a stop intent: stopped, exit
+    kill():   agent/intent.json "kill"      Job.stop(SIGKILL)
+    state:    reads agent/state.json   <--  written on every change (atomic)
+              tails events/agent.jsonl <--  job_start, exit, job_end notes
+
+Nothing travels through the kernel's process: mpiexec writes to ``logs/console.log``, the ranks' events
+go to whichever controller listens on the addresses in ``controller.json`` (and to their own logs), and
+the agent's state and notes are files. `JobController.attach` reads them back and has full control.
+
+The agent relaunches after a morph exit (75) that was not asked for as a stop, and after a failure up
+to ``max_restarts`` times, from ``checkpoints/latest``. Any error of its own becomes a ``failed`` state
+carrying the error, so nobody waits on a supervisor that died; a controller that finds the agent's
+process gone (pid and start time) while the state says otherwise reports ``failed`` too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from varuna._files import write_json_atomic
+from varuna.elastic.protocol import MORPH_EXIT, Shape
+from varuna.elastic.supervisor import USER_STOP, hostfile_slots, next_shape
+from varuna.errors import LaunchError
+from varuna.launch.job import Job
+from varuna.launch.launches import Launch, post_mortem
+from varuna.launch.pids import identity
+from varuna.telemetry import events as _events
+
+__all__ = ["AGENT_DIR", "SPEC", "STATE", "INTENT", "NOTES", "read_state", "spawn", "main"]
+
+AGENT_DIR = "agent"
+SPEC = "spec.json"
+STATE = "state.json"
+INTENT = "intent.json"
+NOTES = "events/agent.jsonl"
+TERMINAL = ("stopped", "failed", "finished")
+INTENTS = ("stop", "resize", "kill", "terminate")
+"""stop: a morph exit ends the job; resize: it relaunches; kill / terminate: SIGKILL / SIGTERM now."""
+
+
+_DISCARD = open(os.devnull, "w")  # noqa: SIM115 - ranks' stdout is in logs/console.log; stderr, with the launcher's lines, also in agent.log
+
+
+def read_state(run_dir: Path) -> dict[str, Any] | None:
+    """``RUN_DIR/agent/state.json``, or None when no agent ever ran there (or it is unreadable)."""
+    try:
+        state = json.loads((Path(run_dir) / AGENT_DIR / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def launch_record(launch: Launch) -> dict[str, Any]:
+    job = launch.job
+    return {
+        "job_id": job.job_id,
+        "pipeline": job.pipeline,
+        "data": job.data,
+        "world": launch.world,
+        "code": launch.code,
+        "summary": list(job.summary),
+        "dead": [asdict(d) for d in launch.dead],
+    }
+
+
+class Agent:
+    """The launch loop of one job; its state goes to ``agent/state.json`` on every change."""
+
+    def __init__(self, run_dir: Path, spec: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+        self.spec = spec
+        previous = read_state(run_dir) or {}
+        self.launches: list[dict[str, Any]] = list(previous.get("launches") or [])  # a resume continues them
+        self.state = "starting"
+        self.error: str | None = None
+        self._intent_seq = int(previous.get("intent_seq") or 0)
+        self.intent: str | None = None
+        self._notes = _events.EventLog(run_dir / NOTES)
+
+    # files -------------------------------------------------------------------------------------
+    def write(self) -> None:
+        write_json_atomic(
+            self.run_dir / AGENT_DIR / STATE,
+            {
+                **identity(),
+                "state": self.state,
+                "error": self.error,
+                "launches": self.launches,
+                "intent_seq": self._intent_seq,
+                "updated": time.time(),
+            },
+        )
+
+    def note(self, kind: str, job: str | None, **fields: Any) -> None:
+        """A lifecycle event of the agent's own (job_start, exit, job_end, restart), logged for the
+        controller to tail and for a later attach to replay."""
+        event = {"type": kind, "rank": None, "time": time.time(), "job": job, "id": uuid.uuid4().hex}
+        self._notes.write({**event, **fields})
+
+    def read_intent(self) -> str | None:
+        """The newest intent the controller wrote that this agent has not consumed yet."""
+        try:
+            intent = json.loads((self.run_dir / AGENT_DIR / INTENT).read_text())
+            seq, what = int(intent["seq"]), intent["intent"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return self.intent
+        if seq > self._intent_seq and what in INTENTS:
+            self._intent_seq, self.intent = seq, what
+        return self.intent
+
+    # the loop ----------------------------------------------------------------------------------
+    def make_job(self, shape: Shape, resume: str | None) -> Job:
+        env = {**self.spec.get("env", {}), "VARUNA_LAUNCH": str(len(self.launches) + 1)}
+        if resume is not None:
+            env["VARUNA_RESUME"] = resume
+        key = os.environ.get("VARUNA_EVENTS_KEY")
+        if key:
+            env["VARUNA_EVENTS_KEY"] = key
+        hostfile = self.spec.get("hostfile")
+        return Job(
+            self.spec["argv"], pipeline=shape.pipeline, data=shape.data, run_dir=self.run_dir,
+            hostfile=Path(hostfile) if hostfile else None, extra_env=env, timeout_s=self.spec.get("timeout_s"),
+            grace_s=float(self.spec.get("grace_s", 10.0)), stdout=_DISCARD, stderr=sys.stderr,
+        )  # fmt: skip
+
+    def run_one(self, job: Job) -> int:
+        launch = Launch(job, job.world)
+        self.launches.append(launch_record(launch))
+        self.write()
+        job.start()
+        self.note("job_start", job.job_id, pipeline=job.pipeline, data=job.data, world=job.world)
+        signalled: str | None = None
+        while (code := job.poll()) is None:
+            intent = self.read_intent()
+            if intent in ("kill", "terminate") and signalled != intent:
+                signalled = intent
+                job.stop(signal.SIGKILL if intent == "kill" else signal.SIGTERM)
+            time.sleep(0.1)
+        launch.code = code
+        for record in post_mortem(self.run_dir, launch):
+            self.note("exit", job.job_id, **record)
+        self.launches[-1] = launch_record(launch)
+        return code
+
+    def run(self) -> None:
+        spec = self.spec
+        shape, resume = Shape(int(spec["pipeline"]), int(spec["data"])), spec.get("resume")
+        hostfile = Path(spec["hostfile"]) if spec.get("hostfile") else None
+        slots = hostfile_slots(hostfile) if hostfile is not None else None
+        restarts, max_restarts = 0, int(spec.get("max_restarts", 0))
+        while True:
+            job = self.make_job(shape, resume)
+            code = self.run_one(job)
+            intent = self.read_intent()
+            if code == MORPH_EXIT and intent != "stop" and spec.get("elastic", True):
+                self.state, self.intent = "morphing", None
+            elif code not in (0, MORPH_EXIT, 124, *USER_STOP) and intent is None and restarts < max_restarts:
+                restarts += 1
+                self.state = "restarting"
+                self.note("restart", job.job_id, restart=restarts, of=max_restarts, exit_code=code)
+            else:
+                self.state = (
+                    "finished" if code == 0
+                    else "stopped" if code == MORPH_EXIT or (intent in ("stop", "kill", "terminate") and code in USER_STOP)
+                    else "failed"
+                )  # fmt: skip
+            self.note("job_end", job.job_id, exit_code=code, state=self.state, summary=job.summary)
+            self.write()
+            if self.state in TERMINAL:
+                return
+            if self.state == "morphing":
+                shape = next_shape(self.run_dir, shape, hostfile, slots)
+                if hostfile is not None:
+                    slots = hostfile_slots(hostfile)
+            resume = "latest"
+
+
+def spawn(run_dir: Path, spec: dict[str, Any], key: str) -> subprocess.Popen[bytes]:
+    """Start the agent of the job `spec` describes, in a session of its own, with its output in
+    ``logs/agent.log``. The key goes in its environment, never on a command line or in a file."""
+    folder = run_dir / AGENT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    write_json_atomic(folder / SPEC, spec)
+    here = str(Path(__file__).resolve().parents[2])  # the folder holding this varuna
+    path = os.environ.get("PYTHONPATH")
+    env = {
+        **os.environ,
+        "VARUNA_EVENTS_KEY": key,
+        "PYTHONPATH": f"{here}{os.pathsep}{path}" if path else here,
+    }
+    with open(run_dir / "logs" / "agent.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "varuna.launch.agent", str(run_dir)], env=env, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir),
+        )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m varuna.launch.agent RUN_DIR``: run the job that ``RUN_DIR/agent/spec.json`` describes."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m varuna.launch.agent RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0]).absolute()
+    try:
+        spec = json.loads((run_dir / AGENT_DIR / SPEC).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"varuna agent: cannot read {run_dir / AGENT_DIR / SPEC}: {exc}", file=sys.stderr)
+        return 2
+    agent = Agent(run_dir, spec)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "intent", "terminate"))  # never orphan the ranks
+    agent.write()
+    try:
+        agent.run()
+    except BaseException as exc:  # noqa: BLE001 - the state must say why the supervisor ended
+        agent.state, agent.error = "failed", f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, LaunchError):
+            traceback.print_exc()
+        agent.note("job_end", None, exit_code=None, state="failed", error=agent.error)
+        agent.write()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
