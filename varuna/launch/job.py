@@ -7,7 +7,8 @@ A `Job` is a small state machine::
       job.json            SIGINT/SIGTERM to mpiexec    summarise failed ranks, finish job.json
 
 Hydra (MPICH) starts every rank in a session of its own, so the job's processes are found by the
-``VARUNA_JOB_ID`` they inherit rather than by process group. ``varuna run`` and the notebook
+``VARUNA_JOB_ID`` they inherit rather than by process group; a pid read from a status file is used
+only while the process still matches it (host, start time: `varuna.launch.pids`). ``varuna run`` and the notebook
 controller both come through here.
 """
 
@@ -34,6 +35,7 @@ from typing import IO, Any, Literal, TextIO
 from varuna._files import write_json_atomic
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch.exits import MORPH_EXIT
+from varuna.launch.pids import check_status, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
 
 __all__ = ["Job", "run_job", "mpiexec_command", "find_mpiexec", "mpi_flavor", "read_reports", "summarise"]
@@ -113,20 +115,6 @@ def _fresh(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}-{n}")
     return candidate
-
-
-def _pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class Job:
@@ -245,10 +233,16 @@ class Job:
                         and status.get("state") == "running"
                     ):
                         watched.add(rank)
-                        try:
-                            fds[os.pidfd_open(int(status["pid"]))] = rank
+                        try:  # the pidfd is opened first, then checked: it cannot follow a reused pid
+                            fd = os.pidfd_open(int(status["pid"]))
                         except (OSError, KeyError, TypeError, ValueError):
                             self._deaths.append((time.time(), [rank]))  # gone before we looked
+                            continue
+                        if check_status(status).live:
+                            fds[fd] = rank
+                        else:
+                            os.close(fd)
+                            self._deaths.append((time.time(), [rank]))
             if not fds:
                 time.sleep(0.1)
             ready = select.select(list(fds), [], [], 0.1)[0] if fds else []
@@ -290,11 +284,12 @@ class Job:
                             pids.add(int(entry.name))
                     except OSError:
                         continue
-        else:
-            statuses = read_reports(self.run_dir)[0].values()
-            pids = {s["pid"] for s in statuses if isinstance(s.get("pid"), int)}
+        else:  # no /proc: only the processes the status files still verifiably name
+            pids = {
+                v.pid for v in map(check_status, read_reports(self.run_dir)[0].values()) if v.live and v.pid
+            }
         pids.discard(os.getpid())
-        return {pid for pid in pids if _pid_alive(pid)}
+        return {pid for pid in pids if pid_alive(pid)}
 
     def _kill_all(self, grace_s: float) -> None:
         """SIGTERM every process of the job, then SIGKILL whatever is left after ``grace_s``."""
@@ -308,7 +303,7 @@ class Job:
             end = time.monotonic() + wait_s
             while pids and time.monotonic() < end:
                 time.sleep(0.05)
-                pids = {pid for pid in pids if _pid_alive(pid)}
+                pids = {pid for pid in pids if pid_alive(pid)}
 
     def poll(self) -> int | None:
         """The job's exit code once it is over, else None; enforces ``timeout_s`` and kill deadlines."""
