@@ -40,6 +40,7 @@ from varuna.launch.job import Job
 from varuna.launch.launches import ConsoleTail, DeadRank, Launch, post_mortem
 from varuna.telemetry import events as _events
 from varuna.telemetry.channel import Channel
+from varuna.telemetry.settings import check_settings
 from varuna.telemetry.store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
 
 __all__ = ["JobController", "JobState", "DeadRank"]
@@ -381,7 +382,17 @@ class JobController:
     def resume(
         self, checkpoint: str | Path = "latest", *, pipeline: int | None = None, data: int | None = None
     ) -> JobState:
-        """Relaunch a stopped or failed job from `checkpoint` ("latest" or a checkpoint directory)."""
+        """Relaunch a stopped or failed job from `checkpoint` ("latest" or a checkpoint directory),
+        in its last shape unless `pipeline`/`data` (positive integers) say otherwise."""
+        for name, value in (("pipeline", pipeline), ("data", data)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(
+                    f"resume({name}=...) takes a positive integer or None (the last shape), got {value!r}"
+                )
+        if not isinstance(checkpoint, (str, Path)):
+            raise ConfigError(
+                f"resume(checkpoint=...) takes 'latest' or a checkpoint directory, got {checkpoint!r}"
+            )
         if self.state not in ("stopped", "failed", "finished"):
             raise LaunchError(f"resume() needs a stopped or failed job; this one is {self.state}")
         last = self.job
@@ -391,9 +402,11 @@ class JobController:
                 list(job["argv"]),
                 {"hostfile": None, "timeout_s": None, "grace_s": 10.0, "env": {}},
             )
-            pipeline, data = pipeline or job["pipeline"], data or job["data"]
+            pipeline = job["pipeline"] if pipeline is None else pipeline
+            data = job["data"] if data is None else data
         else:
-            pipeline, data = pipeline or last.pipeline, data or last.data
+            pipeline = last.pipeline if pipeline is None else pipeline
+            data = last.data if data is None else data
         if self._channel is None:
             self._bind()
         with self._lock:
@@ -403,8 +416,9 @@ class JobController:
         return self.state
 
     def set(self, **options: Any) -> None:
-        """Change telemetry settings on every rank, e.g. `set(spans_every=10)`."""
-        self._send("set", **options)
+        """Change telemetry settings on every rank, e.g. `set(spans_every=10)` (names and values in
+        `varuna.telemetry.settings.SETTINGS`); checked here first, a ConfigError before anything is sent."""
+        self._send("set", **check_settings(options))
 
     def _running_launch(self, what: str) -> Launch:
         if (

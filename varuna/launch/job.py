@@ -35,6 +35,7 @@ from typing import IO, Any, Literal, TextIO
 from varuna._files import write_json_atomic
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch.exits import MORPH_EXIT
+from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.pids import check_status, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
 
@@ -104,8 +105,8 @@ def _validate(script_argv: list[str], pipeline: int, data: int, hostfile: Path |
             )
     elif not Path(script_argv[0]).is_file():
         raise ConfigError(f"script not found: {script_argv[0]} (relative to {os.getcwd()})")
-    if hostfile is not None and not Path(hostfile).is_file():
-        raise ConfigError(f"hostfile not found: {hostfile}")
+    if hostfile is not None:
+        hostfile_slots(Path(hostfile))  # a ConfigError naming the missing file or the bad line
 
 
 def _fresh(path: Path) -> Path:
