@@ -128,10 +128,16 @@ def request_resize(run_dir: Path, *, pipeline: int, data: int, notify: bool = Tr
     if notify and not (run_dir / "job.json").exists():
         raise ConfigError(f"{run_dir} is not a varuna run directory (it has no job.json)")
     folder = _requests(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = write_json_atomic(
-        folder / f"resize-{time.time_ns()}.json", {"pipeline": pipeline, "data": data, "time": time.time()}
-    )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = write_json_atomic(
+            folder / f"resize-{time.time_ns()}.json",
+            {"pipeline": pipeline, "data": data, "time": time.time()},
+        )
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot queue the resize in {folder} ({exc.strerror or exc}): run it as the job's owner"
+        ) from None
     if notify:
         _signal_one(run_dir)
     return path

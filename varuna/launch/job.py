@@ -168,8 +168,14 @@ class Job:
         """before -> running: make the run directory and start ``mpiexec`` in a session of its own."""
         if self.state != "before":
             raise LaunchError(f"a Job starts once (state is {self.state!r})")
-        for sub in ("logs", "failures", "status"):
-            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            for sub in ("logs", "failures", "status"):
+                (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot make the run directory {self.run_dir} ({exc.strerror or exc}): give --run-dir a "
+                "writable directory"
+            ) from None
         for stale in [*self.run_dir.glob("failures/*.json"), *self.run_dir.glob("status/*.json")]:
             stale.unlink()  # a reused run dir describes only the job that runs now
         env = {
