@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             return _consolidate(args)
         parser.error(f"unknown command {args.command!r}")
     except (ConfigError, LaunchError, CheckpointError) as exc:
-        print(f"varuna: error: {exc}", file=sys.stderr)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        print(f"varuna: error: {'; '.join(lines)}", file=sys.stderr)  # one line, for scripts and people
         return 2
     return 2

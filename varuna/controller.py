@@ -39,6 +39,7 @@ from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
 from varuna.launch.pids import check_status
 from varuna.telemetry import events as _events
 from varuna.telemetry.channel import Channel
+from varuna.telemetry.settings import check_settings
 from varuna.telemetry.store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
 
 __all__ = ["JobController", "JobState", "DeadRank", "LaunchView"]
@@ -415,7 +416,17 @@ class JobController:
     def resume(
         self, checkpoint: str | Path = "latest", *, pipeline: int | None = None, data: int | None = None
     ) -> JobState:
-        """Relaunch a stopped or failed job from `checkpoint` ("latest" or a checkpoint directory)."""
+        """Relaunch a stopped or failed job from `checkpoint` ("latest" or a checkpoint directory),
+        in its last shape unless `pipeline`/`data` (positive integers) say otherwise."""
+        for name, value in (("pipeline", pipeline), ("data", data)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(
+                    f"resume({name}=...) takes a positive integer or None (the last shape), got {value!r}"
+                )
+        if not isinstance(checkpoint, (str, Path)):
+            raise ConfigError(
+                f"resume(checkpoint=...) takes 'latest' or a checkpoint directory, got {checkpoint!r}"
+            )
         if self.state not in TERMINAL:
             raise LaunchError(f"resume() needs a stopped or failed job; this one is {self.state}")
         last = self.job
@@ -428,8 +439,10 @@ class JobController:
         spec["env"] = {
             k: v for k, v in spec.get("env", {}).items() if k not in ("VARUNA_EVENTS", "VARUNA_COMMANDS")
         }
-        pipeline = pipeline or (last.pipeline if last is not None else int(spec["pipeline"]))
-        data = data or (last.data if last is not None else int(spec["data"]))
+        pipeline = (
+            (last.pipeline if last is not None else int(spec["pipeline"])) if pipeline is None else pipeline
+        )
+        data = (last.data if last is not None else int(spec["data"])) if data is None else data
         Job(list(spec["argv"]), pipeline=pipeline, data=data, run_dir=self.run_dir)  # checks the shape here
         if self._channel is None:
             self._bind()
@@ -440,8 +453,9 @@ class JobController:
         return self.state
 
     def set(self, **options: Any) -> None:
-        """Change telemetry settings on every rank, e.g. `set(spans_every=10)`."""
-        self._send("set", **options)
+        """Change telemetry settings on every rank, e.g. `set(spans_every=10)` (names and values in
+        `varuna.telemetry.settings.SETTINGS`); checked here first, a ConfigError before anything is sent."""
+        self._send("set", **check_settings(options))
 
     def _running_launch(self, what: str) -> LaunchView:
         job, state = self.job, self.state

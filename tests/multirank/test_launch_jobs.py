@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _helpers import SCRIPTS
+from _helpers import REPO, SCRIPTS
 
 from varuna.launch import job as launch
 from varuna.launch.job import Job, mpiexec_command
@@ -159,3 +159,27 @@ def test_mpiexec_command_open_mpi(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     finally:
         launch.mpi_flavor.cache_clear()
     assert cmd == [str(fake), "-n", "2", "--oversubscribe", "--hostfile", "h", "-x", "A=1", "python", "x.py"]
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_never_reaches_the_rendezvous_fails_the_job_after_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 starts MPI and then hangs before the rendezvous (as a rank stuck in an import would):
+    rank 0 gives up after VARUNA_RENDEZVOUS_TIMEOUT_S with a LaunchError, and mpiexec ends rank 1."""
+    import subprocess
+    import sys
+
+    marker = f"stuck-{uuid.uuid4().hex[:8]}"
+    stuck = f"import mpi4py; mpi4py.rc.threads = False; from mpi4py import MPI; import time; time.sleep(60)  # {marker}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env |= {"VARUNA_RUN_DIR": str(tmp_path), "VARUNA_PIPELINE": "2", "VARUNA_RENDEZVOUS_TIMEOUT_S": "2"}
+    env["MPIR_CVAR_NOLOCAL"] = "1"  # as the worker sets it: MPICH's ranks must agree on it
+    mpiexec = str(launch.find_mpiexec())
+    cmd = [mpiexec, "-n", "1", sys.executable, "-m", "varuna.launch.worker", FAIL]
+    cmd += [":", "-n", "1", sys.executable, "-c", stuck]  # MPMD: rank 1 is the stuck one
+    start = time.monotonic()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and time.monotonic() - start < 40
+    failure = json.loads((tmp_path / "failures" / "rank0.json").read_text())
+    assert failure["type"] == "LaunchError"
+    assert failure["message"].startswith("rank 0 waited 2 s for all 2 ranks to reach the rendezvous")
+    assert not _processes_with(marker)

@@ -148,3 +148,17 @@ def test_sigkill_of_a_worker_mid_step_ends_the_job_fast(tmp_path: Path, varuna_p
             not Path(f"/proc/{pid}").exists()
             or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
         )
+
+
+@pytest.mark.timeout(200)
+def test_sigusr1_before_varuna_exists_is_honoured_after_the_first_step(tmp_path: Path, varuna_run) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    job = varuna_run(
+        [SCRIPT, out, "3", "fp32", "0"], pipeline=1, run_dir=run, cwd=tmp_path, timeout=180, check=False
+    )
+    text = job.stdout + job.stderr
+    assert job.returncode == 75, text[-4000:]  # checkpointed and stopped to morph; SIGUSR1 used to kill it
+    assert "a stop request (SIGUSR1) arrived before Varuna() existed" in text
+    assert [r["step"] for r in records(out)] == [0]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000001"

@@ -3,7 +3,7 @@
     varuna run --elastic -p 2 -d 2 tests/scripts/morph_train.py OUT STEPS PRECISION [SIGNAL_AT ...]
 
 Rank 2 (or rank 0 when the job is smaller) sends itself SIGUSR1 during each SIGNAL_AT-th step, as a
-spot-VM preemption would; rank 0 appends every step's loss and loss scale to OUT/losses.jsonl.
+spot-VM preemption would (SIGNAL_AT 0: rank 0, before it builds its Varuna); rank 0 appends every step's loss and loss scale to OUT/losses.jsonl.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from varuna.data import collate  # noqa: E402
 
 out, steps, precision = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 signal_at = {int(s) for s in sys.argv[4:]}
+if 0 in signal_at and torch.distributed.get_rank() == 0:  # before Varuna() exists: the worker keeps it
+    os.kill(os.getpid(), signal.SIGUSR1)
 data = dataset("gpt")
 engine = Varuna(
     build("gpt"),

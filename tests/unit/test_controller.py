@@ -4,6 +4,7 @@ validation in the caller. The tests that drive a real job are in tests/multirank
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -73,3 +74,36 @@ def test_start_validates_in_the_caller(tmp_path: Path) -> None:
         JobController.start([str(tmp_path / "nope.py")], pipeline=2, data=1, run_dir=tmp_path / "run")
     with pytest.raises(ConfigError, match="not a varuna run directory"):
         JobController.attach(tmp_path)
+
+
+def test_set_checks_names_and_values_before_sending(tmp_path: Path) -> None:
+    ctl = JobController(tmp_path)  # no job and no socket: a LaunchError if anything got as far as sending
+    for options, says in [
+        ({"spans_every": "x"}, r"set\(spans_every=...\) takes an integer >= 1.*got 'x'"),
+        ({"spans_every": 0}, r"takes an integer >= 1.*got 0"),
+        ({"paused": "no"}, r"set\(paused=...\) takes True or False.*got 'no'"),
+        ({"min_interval_s": -1}, r"seconds >= 0.*got -1"),
+        ({"span_every": 2}, r"no option 'span_every'; valid: paused, spans_every, min_interval_s"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            ctl.set(**options)
+
+
+def test_resume_checks_its_shape_before_launching(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    job = {"argv": ["train.py"], "pipeline": 2, "data": 1, "start": 0.0, "end": 1.0, "exit_code": 0}
+    (run / "job.json").write_text(json.dumps(job))
+    ctl = JobController.attach(run, reconnect=False)
+    assert ctl.state == "finished"
+    start = time.monotonic()
+    for kw, says in [
+        ({"pipeline": "2"}, r"resume\(pipeline=...\) takes a positive integer or None.*got '2'"),
+        ({"pipeline": 0}, r"resume\(pipeline=...\).*got 0"),  # was silently the last shape
+        ({"data": -1}, r"resume\(data=...\).*got -1"),
+        ({"checkpoint": 3}, r"takes 'latest' or a checkpoint directory, got 3"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            ctl.resume(**kw)
+    assert time.monotonic() - start < 1.0 and ctl.job is None  # nothing launched, no wait
+    assert ctl.state == "finished"

@@ -61,3 +61,61 @@ def test_env_rank_prefers_the_process_manager(monkeypatch: pytest.MonkeyPatch) -
     assert env_rank() == 5
     monkeypatch.setenv("PMI_RANK", "3")
     assert env_rank() == 3
+
+
+def _torchrun_env(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from varuna.comm.rendezvous import shutdown
+
+    if dist.is_initialized():  # an earlier test's group: init_distributed would just return it
+        shutdown()
+    for name, value in {
+        "RANK": rank,
+        "WORLD_SIZE": world,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("VARUNA_RENDEZVOUS_TIMEOUT_S", "1")
+
+
+def test_rendezvous_gives_up_on_a_store_nobody_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from varuna.comm.rendezvous import init_distributed
+    from varuna.errors import LaunchError
+    from varuna.telemetry.events import free_port
+
+    port = free_port()  # rank 0, which would serve the store here, never started
+    _torchrun_env(monkeypatch, 1, 2, port)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=rf"rank 1 could not reach the rendezvous store at 127.0.0.1:{port} "
+                       r"\(MASTER_ADDR:MASTER_PORT\) within 1 s: .*is rank 0 running"):  # fmt: skip
+        init_distributed()
+    assert time.monotonic() - start < 30
+
+
+def test_rendezvous_timeout_must_be_positive_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from varuna.comm.rendezvous import _rendezvous_timeout_s
+
+    for raw in ("0", "soon", "-5"):
+        monkeypatch.setenv("VARUNA_RENDEZVOUS_TIMEOUT_S", raw)
+        with pytest.raises(
+            ConfigError, match=rf"VARUNA_RENDEZVOUS_TIMEOUT_S must be a number of seconds > 0 \(got '{raw}'\)"
+        ):
+            _rendezvous_timeout_s()
+
+
+def test_a_torchrun_style_rank_0_still_meets_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from varuna.comm.rendezvous import init_distributed, shutdown
+    from varuna.telemetry.events import free_port
+
+    _torchrun_env(monkeypatch, 0, 1, free_port())
+    try:
+        assert init_distributed() == (0, 1)
+        assert dist.get_world_size() == 1
+    finally:
+        shutdown()

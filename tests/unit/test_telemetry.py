@@ -209,3 +209,33 @@ def test_paused_steps_record_nothing_and_set_pauses_from_the_next_step(
     assert [e["step"] for e in events if e["type"] == "spans"] == [0, 4]
     memory = [e["memory"] for e in events if e["type"] == "step_metrics"]
     assert all(m["grads_bytes"] > 0 and m["optimizer_bytes"] > 0 for m in memory)
+
+
+def test_a_bad_set_value_is_ignored_and_reported_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        monkeypatch.setenv("VARUNA_COMMANDS", f"tcp://127.0.0.1:{port}")
+        monkeypatch.setenv("VARUNA_EVENTS_KEY", KEY.hex())
+        monkeypatch.setenv("VARUNA_EVENTS", f"tcp://127.0.0.1:{_events.free_port()}")  # nobody listens
+
+        def between(step: int) -> None:
+            if step == 1:
+                time.sleep(0.3)  # let the SUB socket join
+                # what a controller without checks sent: it killed every rank (int("x"))
+                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "spans_every": "x", "paused": True}))
+                time.sleep(0.1)
+            if step == 2:
+                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "spans_every": 2}))
+                time.sleep(0.1)
+
+        engine = train(tmp_path, 4, between)
+    finally:
+        pub.close(linger=0)
+    assert engine.step_count == 4  # trained on
+    err = capsys.readouterr().err
+    assert "ignored the controller's set command: set(spans_every=...) takes an integer >= 1" in err
+    assert not engine._telemetry.paused  # the bad command changed nothing, not even its good part
+    assert engine._telemetry.spans_every == 2  # a good one after it still works

@@ -14,6 +14,9 @@ torch.distributed (gloo on CPU, NCCL on CUDA) and no rank sits in an MPI call, s
 Placement contract (the engine relies on it): world rank ``r`` with pipeline depth ``P`` is
 ``stage = r % P`` and ``replica = r // P``, i.e. ``rank = replica * P + stage``.
 
+Every wait of the rendezvous (the MPI barrier, reaching the store) ends after
+``VARUNA_RENDEZVOUS_TIMEOUT_S`` (300 s) with a LaunchError that names what was awaited.
+
 ``import varuna.comm.rendezvous`` never imports mpi4py: a plain ``python train.py`` must not start MPI.
 """
 
@@ -43,6 +46,10 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
+"""How long a rank waits for the others to meet (``VARUNA_RENDEZVOUS_TIMEOUT_S``): generous, since
+ranks on a loaded host may take long to import torch, but finite, so a rank that never comes fails
+the job with a message instead of hanging it."""
 
 # Variables that MPI process managers set in every rank they start (MPICH/hydra, Open MPI/PMIx, Intel MPI).
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -174,11 +181,46 @@ def host_layout() -> list[tuple[str, int]]:
     return [(str(h), int(c)) for h, c in every]
 
 
-def _sleepy_barrier(comm: Any) -> None:
-    """Wait for every rank without spinning: blocking MPI collectives busy-poll a core meanwhile."""
+def _rendezvous_timeout_s() -> float:
+    """``VARUNA_RENDEZVOUS_TIMEOUT_S``, else 300 s: how long a rank waits for the others to meet."""
+    raw = os.environ.get("VARUNA_RENDEZVOUS_TIMEOUT_S", "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_RENDEZVOUS_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"VARUNA_RENDEZVOUS_TIMEOUT_S must be a number of seconds > 0 (got {raw!r})")
+    return value
+
+
+def _sleepy_barrier(comm: Any, timeout_s: float) -> None:
+    """Wait for every rank without spinning (blocking MPI collectives busy-poll a core meanwhile);
+    a LaunchError after `timeout_s`, since a rank that never arrives would otherwise hang the job."""
     request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout_s
     while not request.Test():
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"rank {comm.Get_rank()} waited {timeout_s:g} s for all {comm.Get_size()} ranks to reach the "
+                "rendezvous (an MPI barrier) and some never did: a rank is stuck or died before it (see its log); "
+                "raise VARUNA_RENDEZVOUS_TIMEOUT_S if the ranks only start slowly"
+            )
         time.sleep(0.005)
+
+
+def _store_client(host: str, port: int, rank: int, timeout_s: float, source: str) -> Any:
+    """Connect to the rendezvous TCPStore, retrying for `timeout_s`; a LaunchError naming it if not."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise LaunchError(
+            f"rank {rank} could not reach the rendezvous store at {host}:{port} ({source}) within "
+            f"{timeout_s:g} s: {first}; is rank 0 running and reachable from this host? "
+            "(VARUNA_RENDEZVOUS_TIMEOUT_S sets the wait)"
+        ) from None
 
 
 def _outbound_ip(peers: list[str]) -> str:
@@ -213,7 +255,8 @@ def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
 
     comm = _import_mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    _sleepy_barrier(comm)
+    wait_s = _rendezvous_timeout_s()
+    _sleepy_barrier(comm, wait_s)
     hosts: list[str] = comm.allgather(socket.gethostname())
     local_rank = hosts[:rank].count(hosts[rank])
     one_host = len(set(hosts)) == 1
@@ -234,7 +277,8 @@ def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
     if isinstance(address, str):
         raise LaunchError(f"rank 0 could not start the rendezvous store: {address}")
     if store is None:
-        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+        store = _store_client(address[0], address[1], rank, wait_s, "sent by rank 0")
+        store.set_timeout(timeout)
     return store, rank, size, local_rank
 
 
@@ -260,7 +304,14 @@ def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     elif all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         _set_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torchrun hosts it
+            store = dist.TCPStore(host, port, size, is_master=True, wait_for_workers=False, timeout=timeout)
+        else:
+            store = _store_client(host, port, rank, _rendezvous_timeout_s(), "MASTER_ADDR:MASTER_PORT")
+            store.set_timeout(timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)

@@ -8,8 +8,13 @@
     the workers)                   a checkpoint; exit with MORPH_EXIT         shape) and relaunch from
                                                                               checkpoints/latest
 
-The user's script holds no signal handler: the engine installs one. This module imports no torch,
-so the CLI and the controller can use it cheaply.
+The user's script holds no signal handler: the engine installs one. Before the engine exists the
+worker holds one for SIGUSR1 (`remember_early_stops`), so a `varuna resize` that lands while the
+script still imports or loads data is kept and honoured at the end of the engine's first step, rather
+than killing the rank (SIGUSR1's default). SIGTERM keeps its default until then: a job stopped
+during start-up stops at once. Only a process whose status file matches it on this host (pid, start
+time, boot: `varuna.launch.pids`) is ever signalled. This module imports no torch, so the CLI and the
+controller can use it cheaply.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +31,7 @@ from pathlib import Path
 from varuna._files import write_json_atomic
 from varuna.errors import ConfigError
 from varuna.launch.exits import MORPH_EXIT
+from varuna.launch.pids import Verdict, check_status
 
 __all__ = [
     "MORPH_EXIT",
@@ -32,6 +39,8 @@ __all__ = [
     "request_resize",
     "take_resize",
     "live_workers",
+    "worker_verdicts",
+    "remember_early_stops",
 ]
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -51,12 +60,40 @@ class StopRequest:
             self.reason = reason
 
     def install(self) -> bool:
-        """Handle SIGUSR1 and SIGTERM by setting the request (main thread only; else a no-op)."""
+        """Handle SIGUSR1 and SIGTERM by setting the request (main thread only; else a no-op).
+
+        A SIGUSR1 that arrived before (see `remember_early_stops`) sets the request now, with a log line.
+        """
         if threading.current_thread() is not threading.main_thread():
             return False
         for sig in STOP_SIGNALS:
             signal.signal(sig, lambda signum, _frame: self.set(signal.Signals(signum).name))
+        if _EARLY:
+            self.set(f"{_EARLY.reason} before the engine existed")
+            print(
+                f"varuna: a stop request ({_EARLY.reason}) arrived before Varuna() existed; "
+                "honouring it at the end of the first step",
+                file=sys.stderr,
+                flush=True,
+            )
+            _EARLY.reason = None
         return True
+
+
+_EARLY = StopRequest()
+"""SIGUSR1s received before any engine installed its handler (the worker's start-up)."""
+
+
+def remember_early_stops() -> bool:
+    """Until an engine installs its handler, keep SIGUSR1 (a morph request) instead of dying of it.
+
+    The worker calls this first thing (main thread only; else a no-op, False). The handler only
+    records: printing from a signal handler could deadlock on the line tee's lock.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: _EARLY.set(signal.Signals(signum).name))
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,40 +106,64 @@ def _requests(run_dir: Path) -> Path:
     return Path(run_dir) / "requests"
 
 
-def live_workers(run_dir: Path) -> list[int]:
-    """PIDs of this run's ranks that report themselves running (on this host), by rank."""
+def worker_verdicts(run_dir: Path) -> list[Verdict]:
+    """For each rank whose status says running (by rank): is it still that process, on this host?"""
     from varuna.launch.postmortem import read_reports
 
     statuses, _ = read_reports(Path(run_dir))
-    pids = []
-    for _, status in sorted(statuses.items()):
-        pid = status.get("pid")
-        if status.get("state") == "running" and isinstance(pid, int):
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                continue
-            pids.append(pid)
-    return pids
+    return [check_status(s) for _, s in sorted(statuses.items()) if s.get("state") == "running"]
+
+
+def live_workers(run_dir: Path) -> list[int]:
+    """PIDs of this run's running ranks on this host that are still the processes their status names."""
+    return [v.pid for v in worker_verdicts(run_dir) if v.live and v.pid is not None]
 
 
 def request_resize(run_dir: Path, *, pipeline: int, data: int, notify: bool = True) -> Path:
     """Queue a new shape for the job in `run_dir` and, with `notify`, ask its workers to morph now."""
     for name, value in (("pipeline", pipeline), ("data", data)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"resize needs a positive {name}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"resize needs a positive integer {name}, got {value!r}")
     run_dir = Path(run_dir)
     if notify and not (run_dir / "job.json").exists():
         raise ConfigError(f"{run_dir} is not a varuna run directory (it has no job.json)")
     folder = _requests(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = write_json_atomic(
-        folder / f"resize-{time.time_ns()}.json", {"pipeline": pipeline, "data": data, "time": time.time()}
-    )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = write_json_atomic(
+            folder / f"resize-{time.time_ns()}.json",
+            {"pipeline": pipeline, "data": data, "time": time.time()},
+        )
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot queue the resize in {folder} ({exc.strerror or exc}): run it as the job's owner"
+        ) from None
     if notify:
-        for pid in live_workers(run_dir)[:1]:  # one is enough: the stop flag is all-reduced
-            os.kill(pid, signal.SIGUSR1)
+        _signal_one(run_dir)
     return path
+
+
+def _signal_one(run_dir: Path) -> int | None:
+    """SIGUSR1 to one verified live rank of the job (one is enough: the stop flag is all-reduced).
+
+    Every status that cannot be signalled (stale, remote, unverifiable) is reported on stderr, never
+    signalled; returns the pid signalled, or None.
+    """
+    verdicts = worker_verdicts(run_dir)
+    for verdict in verdicts:
+        if not verdict.live:
+            print(f"varuna: {verdict.reason}", file=sys.stderr)
+    for pid in (v.pid for v in verdicts if v.live and v.pid is not None):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # it ended between the check and the signal: try the next
+            continue
+        return pid
+    print(
+        f"varuna: no running rank of {run_dir} on this host to signal; the request waits for the next launch",
+        file=sys.stderr,
+    )
+    return None
 
 
 def take_resize(run_dir: Path) -> Shape | None:

@@ -15,7 +15,38 @@ from varuna.elastic.protocol import Shape
 from varuna.errors import ConfigError
 from varuna.schedule import schedule_spec
 
-__all__ = ["ShapeChoice", "choose_shape", "shape_for_gpus"]
+__all__ = ["ShapeChoice", "choose_shape", "shape_for_gpus", "read_engine_info"]
+
+_ENGINE_KEYS = {
+    "pipeline": int,
+    "data": int,
+    "global_batch_size": int,
+    "micro_batch_size": int,
+    "num_segments": int,
+}
+
+
+def read_engine_info(path: Path) -> dict[str, Any]:
+    """A run's engine.json (what its engine wrote at start), checked for what a resize needs."""
+    try:
+        info = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(
+            f"{path} is not readable JSON ({exc}); it is rewritten when the job starts training: wait for that, "
+            "or give --pipeline and --data"
+        ) from None
+    bad = [
+        k
+        for k, kind in _ENGINE_KEYS.items()
+        if not isinstance(info, dict) or not isinstance(info.get(k), kind)
+    ]
+    if bad:
+        got = {k: info.get(k) for k in bad} if isinstance(info, dict) else type(info).__name__
+        raise ConfigError(
+            f"{path} lacks integer {', '.join(bad)} (has {got}); it is rewritten when the job starts "
+            "training: wait for that, or give --pipeline and --data"
+        )
+    return info
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +101,7 @@ def shape_for_gpus(run_dir: Path, gpus: int) -> ShapeChoice:
         raise ConfigError(
             f"{run_dir} has no engine.json yet (has the job started training?); give --pipeline and --data"
         )
-    info = json.loads(info_path.read_text())
+    info = read_engine_info(info_path)
     profile = run_dir / "profile.json"
     if not profile.is_file():
         shape = choose_shape(gpus, info)

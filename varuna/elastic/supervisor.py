@@ -11,37 +11,21 @@ Every relaunch resumes from `checkpoints/latest` (VARUNA_RESUME=latest).
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
 from pathlib import Path
 
 from varuna.elastic.protocol import MORPH_EXIT, Shape, take_resize
-from varuna.elastic.reshape import choose_shape
+from varuna.elastic.reshape import choose_shape, read_engine_info
 from varuna.errors import ConfigError
+from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.job import run_job
 
 __all__ = ["run_elastic", "hostfile_slots", "next_shape", "USER_STOP"]
 
 USER_STOP = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
 """Exit codes of a job stopped by a signal from its user: a stop, not a crash."""
-
-
-def hostfile_slots(hostfile: Path) -> int:
-    """Total slots of an MPI hostfile (`host`, `host:4` or `host slots=4` lines)."""
-    total = 0
-    for line in Path(hostfile).read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        if "slots=" in line:
-            total += int(line.split("slots=", 1)[1].split()[0])
-        elif ":" in line:
-            total += int(line.rsplit(":", 1)[1])
-        else:
-            total += 1
-    return total
 
 
 def next_shape(run_dir: Path, current: Shape, hostfile: Path | None, slots: int | None) -> Shape:
@@ -54,7 +38,7 @@ def next_shape(run_dir: Path, current: Shape, hostfile: Path | None, slots: int 
     if hostfile is not None and slots is not None:
         now = hostfile_slots(hostfile)
         if now != slots and (run_dir / "engine.json").exists():
-            return choose_shape(now, json.loads((run_dir / "engine.json").read_text()))
+            return choose_shape(now, read_engine_info(run_dir / "engine.json"))
     return current
 
 

@@ -7,7 +7,8 @@ A `Job` is a small state machine::
       job.json            SIGINT/SIGTERM to mpiexec    summarise failed ranks, finish job.json
 
 Hydra (MPICH) starts every rank in a session of its own, so the job's processes are found by the
-``VARUNA_JOB_ID`` they inherit rather than by process group. ``varuna run`` and the notebook
+``VARUNA_JOB_ID`` they inherit rather than by process group; a pid read from a status file is used
+only while the process still matches it (host, start time: `varuna.launch.pids`). ``varuna run`` and the notebook
 controller both come through here.
 """
 
@@ -34,6 +35,8 @@ from typing import IO, Any, Literal, TextIO
 from varuna._files import write_json_atomic
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch.exits import MORPH_EXIT
+from varuna.launch.hostfile import hostfile_slots
+from varuna.launch.pids import check_status, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
 
 __all__ = ["Job", "run_job", "mpiexec_command", "find_mpiexec", "mpi_flavor", "read_reports", "summarise"]
@@ -102,8 +105,8 @@ def _validate(script_argv: list[str], pipeline: int, data: int, hostfile: Path |
             )
     elif not Path(script_argv[0]).is_file():
         raise ConfigError(f"script not found: {script_argv[0]} (relative to {os.getcwd()})")
-    if hostfile is not None and not Path(hostfile).is_file():
-        raise ConfigError(f"hostfile not found: {hostfile}")
+    if hostfile is not None:
+        hostfile_slots(Path(hostfile))  # a ConfigError naming the missing file or the bad line
 
 
 def _fresh(path: Path) -> Path:
@@ -113,20 +116,6 @@ def _fresh(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}-{n}")
     return candidate
-
-
-def _pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class Job:
@@ -179,8 +168,14 @@ class Job:
         """before -> running: make the run directory and start ``mpiexec`` in a session of its own."""
         if self.state != "before":
             raise LaunchError(f"a Job starts once (state is {self.state!r})")
-        for sub in ("logs", "failures", "status"):
-            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            for sub in ("logs", "failures", "status"):
+                (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot make the run directory {self.run_dir} ({exc.strerror or exc}): give --run-dir a "
+                "writable directory"
+            ) from None
         for stale in [*self.run_dir.glob("failures/*.json"), *self.run_dir.glob("status/*.json")]:
             stale.unlink()  # a reused run dir describes only the job that runs now
         env = {
@@ -246,10 +241,16 @@ class Job:
                         and status.get("state") == "running"
                     ):
                         watched.add(rank)
-                        try:
-                            fds[os.pidfd_open(int(status["pid"]))] = rank
+                        try:  # the pidfd is opened first, then checked: it cannot follow a reused pid
+                            fd = os.pidfd_open(int(status["pid"]))
                         except (OSError, KeyError, TypeError, ValueError):
                             self._deaths.append((time.time(), [rank]))  # gone before we looked
+                            continue
+                        if check_status(status).live:
+                            fds[fd] = rank
+                        else:
+                            os.close(fd)
+                            self._deaths.append((time.time(), [rank]))
             if not fds:
                 time.sleep(0.1)
             ready = select.select(list(fds), [], [], 0.1)[0] if fds else []
@@ -291,11 +292,12 @@ class Job:
                             pids.add(int(entry.name))
                     except OSError:
                         continue
-        else:
-            statuses = read_reports(self.run_dir)[0].values()
-            pids = {s["pid"] for s in statuses if isinstance(s.get("pid"), int)}
+        else:  # no /proc: only the processes the status files still verifiably name
+            pids = {
+                v.pid for v in map(check_status, read_reports(self.run_dir)[0].values()) if v.live and v.pid
+            }
         pids.discard(os.getpid())
-        return {pid for pid in pids if _pid_alive(pid)}
+        return {pid for pid in pids if pid_alive(pid)}
 
     def _kill_all(self, grace_s: float) -> None:
         """SIGTERM every process of the job, then SIGKILL whatever is left after ``grace_s``."""
@@ -309,7 +311,7 @@ class Job:
             end = time.monotonic() + wait_s
             while pids and time.monotonic() < end:
                 time.sleep(0.05)
-                pids = {pid for pid in pids if _pid_alive(pid)}
+                pids = {pid for pid in pids if pid_alive(pid)}
 
     def poll(self) -> int | None:
         """The job's exit code once it is over, else None; enforces ``timeout_s`` and kill deadlines."""

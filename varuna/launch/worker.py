@@ -7,9 +7,12 @@ What it guarantees, so that the launcher can report which rank failed and why:
 
 - ``RUN_DIR/logs/rank{r}.log``: everything the rank printed from Python (stdout and stderr);
   the console gets the same lines prefixed ``[rank 3 s1 d1] `` (rank, stage, replica).
-- ``RUN_DIR/status/rank{r}.json``: ``running`` at start, then ``done`` or ``failed``. A rank that
-  stays ``running`` after the job ended was killed.
+- ``RUN_DIR/status/rank{r}.json``: ``running`` at start, then ``done`` or ``failed``, with the
+  process's host, pid, start time and boot id (`varuna.launch.pids`): a rank that stays ``running``
+  after the job ended was killed, and its pid is never signalled once another process has it.
 - ``RUN_DIR/failures/rank{r}.json`` when the script raised: type, message, full traceback.
+- A SIGUSR1 (a morph request) before the script builds its `Varuna` is kept and honoured once the
+  engine exists (`varuna.elastic.protocol.remember_early_stops`) instead of killing the rank.
 - A failing rank leaves with ``os._exit`` without finalising MPI, which makes the process manager
   kill every other rank at once, even ranks blocked in a gloo collective. A clean rank finalises MPI
   first (a sleeping wait for the others), so it never takes the job down.
@@ -22,7 +25,6 @@ import io
 import os
 import re
 import runpy
-import socket
 import sys
 import threading
 import time
@@ -32,7 +34,9 @@ from typing import Any, TextIO
 
 from varuna._files import write_json_atomic
 from varuna.comm.rendezvous import env_rank, finalize_mpi, init_distributed, launch_env, placement, shutdown
+from varuna.elastic.protocol import remember_early_stops
 from varuna.launch.exits import MORPH_EXIT
+from varuna.launch.pids import identity
 
 __all__ = ["LineTee", "main"]
 
@@ -131,13 +135,8 @@ class _Rank:
         self.rank = rank
         self.stage, self.replica = placement(rank, pipeline)
         self.run_dir = run_dir
-        self.identity = {
-            "rank": rank,
-            "stage": self.stage,
-            "replica": self.replica,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        }
+        # host, pid, start time and boot id: a signal goes to this rank only while all of them match
+        self.identity = {"rank": rank, "stage": self.stage, "replica": self.replica, **identity()}
 
     def path(self, kind: str, suffix: str) -> Path | None:
         """``RUN_DIR/kind/rank{r}{suffix}``, or None without a run directory."""
@@ -240,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         raise SystemExit(0 if argv else 2)
+    remember_early_stops()  # a `varuna resize` during start-up waits for the engine, not kills the rank
     env = launch_env()
     pipeline = env.pipeline or 1
     real_out, real_err = sys.stdout, sys.stderr

@@ -45,8 +45,10 @@ from typing import Any
 
 import torch
 
+from varuna.errors import ConfigError
 from varuna.schedule import releasing
 from varuna.telemetry.events import EventLog, decode, encode
+from varuna.telemetry.settings import SETTINGS, check_settings
 
 __all__ = ["Telemetry"]
 
@@ -280,14 +282,22 @@ class Telemetry:
                 continue
             name = command.get("cmd")
             if name == "set":
-                self.paused = bool(command.get("paused", self.paused))
-                self.spans_every = max(int(command.get("spans_every", self.spans_every)), 1)
-                self.min_interval_s = float(command.get("min_interval_s", self.min_interval_s))
+                self._apply_settings(command)
             elif engine.rank == 0 and name == "checkpoint":
                 self._checkpoint_wanted = True
             elif engine.rank == 0 and name == "stop":
                 engine.stop_request.set("controller")
         return self._checkpoint_wanted
+
+    def _apply_settings(self, command: dict[str, Any]) -> None:
+        """A `set` command: every value checked first; a bad one is reported and nothing changes."""
+        try:
+            settings = check_settings({k: v for k, v in command.items() if k in SETTINGS})
+        except ConfigError as exc:
+            print(f"varuna: ignored the controller's set command: {exc}", file=sys.stderr, flush=True)
+            return
+        for name, value in settings.items():
+            setattr(self, name, value)
 
     @property
     def last_step_counted_memory(self) -> bool:

@@ -1,0 +1,60 @@
+"""An MPI hostfile, read once and checked before mpiexec sees it (which would fail with its own
+message, or `varuna run --elastic` with a traceback).
+
+    node1            one slot
+    node2:4          four slots (MPICH)
+    node3 slots=4    four slots (Open MPI)   # comments and blank lines are ignored
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from varuna.errors import ConfigError
+
+__all__ = ["hostfile_slots"]
+
+_FORMS = "`host`, `host:N` or `host slots=N` with N a positive integer"
+
+
+def _slots(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 1 else None
+
+
+def hostfile_slots(hostfile: Path) -> int:
+    """Total slots of an MPI hostfile; a ConfigError naming the file and line when it cannot be read."""
+    try:
+        lines = Path(hostfile).read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"hostfile not found: {hostfile}; give --hostfile an existing file of {_FORMS} lines"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"hostfile {hostfile} cannot be read ({exc}): expected a text file of {_FORMS} lines"
+        ) from None
+    total = 0
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if "slots=" in line:
+            count = _slots(
+                line.split("slots=", 1)[1].split()[0] if line.split("slots=", 1)[1].split() else ""
+            )
+        elif ":" in line:
+            count = _slots(line.rsplit(":", 1)[1])
+        else:
+            count = 1
+        if count is None:
+            raise ConfigError(
+                f"hostfile {hostfile} line {number}: expected {_FORMS}, got {raw.strip()!r}; fix that line"
+            )
+        total += count
+    if total == 0:
+        raise ConfigError(f"hostfile {hostfile} names no host: expected lines of {_FORMS}")
+    return total
