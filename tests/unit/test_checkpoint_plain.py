@@ -150,6 +150,10 @@ def test_values_round_trip_and_others_are_refused_naming_where() -> None:
         CheckpointError, match=r"extra\['hook'\]\[0\] is a builtins.function, which a checkpoint"
     ):
         _plain.encode({"hook": [lambda: 0]})
+    with pytest.raises(
+        CheckpointError, match=r"extra\['d'\] has dtype torch.qint8, which a checkpoint does not store"
+    ):
+        _plain.encode({"d": torch.qint8})
 
 
 def test_a_value_that_cannot_be_stored_fails_the_save_before_writing(tmp_path: Path) -> None:

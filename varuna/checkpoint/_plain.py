@@ -43,23 +43,11 @@ __all__ = ["METADATA", "EXTRA", "metadata_json", "metadata_from_json", "encode",
 METADATA = "metadata.json"
 EXTRA = "extra.json"
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+_DTYPE_NAMES = (
+    "float64 float32 float16 bfloat16 complex64 complex128 int64 int32 int16 int8 uint64 uint32 uint16 uint8 "
+    "bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+).split()
+_DTYPES = {n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)}
 _TAGS = ("$tuple", "$dict", "$bytes", "$dtype", "$tensor")
 
 

@@ -66,8 +66,9 @@ __all__ = [
 
 FORMAT = cio.FORMAT
 _OLD_FORMATS = (
-    "checkpoints of format 2 and older keep their metadata as a pickle, which this Varuna does not "
-    "load (it could run code); resume it with the Varuna that wrote it and save again, or start without resume="
+    "checkpoints of format 2 and older keep their metadata as a pickle, which this Varuna does not load "
+    "(unpickling can run code). Start without resume=, or, if you trust the checkpoint, export its weights "
+    "with the Varuna that wrote it (`varuna consolidate`) and load them into the model before training"
 )
 
 
@@ -212,10 +213,12 @@ def verify(path: Path, *, deep: bool = False) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: manifest.json is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else None
-        old = f"; {_OLD_FORMATS}" if isinstance(got, int) and got < FORMAT else ""
-        raise CheckpointError(
-            f"checkpoint {path} has format {got}, this Varuna reads {FORMAT}{old or ' (resave it with the Varuna that wrote it, or start without resume=)'}"
+        why = (
+            _OLD_FORMATS
+            if isinstance(got, int) and got < FORMAT
+            else "resume from a checkpoint this Varuna wrote"
         )
+        raise CheckpointError(f"checkpoint {path} has format {got}, this Varuna reads {FORMAT}; {why}")
     files = manifest.get("files")
     if not isinstance(files, dict) or any(f not in files or "crc32" not in files[f] for f in SMALL):
         raise CheckpointError(
