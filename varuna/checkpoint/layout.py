@@ -23,9 +23,10 @@ directory, the manifest is written after every byte is fsynced, the directory is
 only then is `latest` replaced. Every byte that needs disk space (the new `latest` too) is written
 before that rename, so a full disk fails the save on every rank before anything is committed,
 and the temporary directory is removed. Re-saving a step swaps the new directory with the old
-one in one rename (RENAME_EXCHANGE), so `latest` never names a missing directory. Retention keeps
-the checkpoint just committed and the newest others. A `latest` naming a missing or damaged
-checkpoint falls back to the newest complete one, with a warning naming both.
+one in one rename (Linux RENAME_EXCHANGE), so `latest` never names a missing directory (a file
+system without it gets rename-aside-then-replace, a short window). Retention keeps the checkpoint
+just committed and the highest-numbered others. A `latest` naming a missing or damaged
+checkpoint falls back to the highest-numbered complete one, with a warning naming both.
 
 Loading checks the manifest on one rank (every file there with its size, `metadata.json` and
 `extra.json` matching their CRC-32), then every tensor's bytes as they are read, against the
