@@ -1,9 +1,11 @@
-"""Checkpoints across processes: a SIGKILL during a write, and damage found by one rank of two."""
+"""Checkpoints across processes: a SIGKILL during a write, a full disk under one rank of two, and damage
+found by one rank of two."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 from _helpers import REPO
 from _helpers import make_gpt_engine as make
+
+from varuna.checkpoint import layout as ckpt
 
 pytestmark = pytest.mark.multirank
 
@@ -54,7 +58,9 @@ def test_kill_during_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None
 
 
 TWO_RANKS = """
-import sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
+from pathlib import Path
+import varuna.checkpoint.storage as cio
 from varuna import Varuna
 from varuna.data import SyntheticLM
 from varuna.errors import CheckpointError
@@ -71,33 +77,74 @@ except CheckpointError as exc:
 engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
 engine.step(engine.batch(data, 0))
 engine.checkpoint()
+if resume is None:  # then the disk fills up under rank 1's data file: the kernel's ENOSPC from /dev/full
+    engine.step(engine.batch(data, 1))
+    real = cio.Writer.write_data
+    def full(self, plan, planner):
+        if dist.get_rank() == 1:
+            (Path(self.path) / f"{plan.storage_data.prefix}0.distcp").symlink_to("/dev/full")
+        return real(self, plan, planner)
+    cio.Writer.write_data = full
+    try:
+        engine.checkpoint()
+    except CheckpointError as exc:
+        print(f"full disk on rank {dist.get_rank()}: {exc}", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print("left:", json.dumps(sorted(os.listdir(Path(os.environ["VARUNA_RUN_DIR"]) / "checkpoints"))), flush=True)
 """
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory, varuna_run) -> tuple[Path, Path, str]:
+    """A 1x2 job that saved step-00000001, then failed to save step 2 on a full disk: the script,
+    the run directory and the output."""
+    base = tmp_path_factory.mktemp("two_ranks")
+    script, run = base / "two_ranks.py", base / "run"
+    script.write_text(TWO_RANKS)
+    proc = varuna_run([script, "fresh"], pipeline=1, data=2, run_dir=run, cwd=base, timeout=150, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return script, run, proc.stdout + proc.stderr
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(200)
-def test_damage_found_by_one_rank_fails_the_load_on_every_rank(tmp_path: Path, varuna_run) -> None:
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank(fresh: tuple[Path, Path, str]) -> None:
+    _, run, text = fresh
+    for rank in (0, 1):
+        assert re.search(
+            rf"full disk on rank {rank}: checkpoint file .*__1_0.distcp could not be written: No space left on "
+            r"device \(ENOSPC\); the disk is full: free space there or lower checkpoint_keep. The checkpoint was "
+            "not committed",
+            text,
+        ), text
+    assert 'left: ["latest", "step-00000001"]' in text  # no .step-00000002.tmp, no .latest.tmp
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-00000001"
+    ckpt.verify(root / "step-00000001", deep=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_damage_found_by_one_rank_fails_the_load_on_every_rank(
+    tmp_path: Path, varuna_run, fresh: tuple[Path, Path, str]
+) -> None:
     """At 1x2 both ranks read every tensor and each checks about half of them: the one that finds the
     damage and the one that does not both raise the error naming the file."""
-    script, run = tmp_path / "two_ranks.py", tmp_path / "run"
-    script.write_text(TWO_RANKS)
-
-    def job(resume: str) -> str:
-        proc = varuna_run(
-            [script, resume], pipeline=1, data=2, run_dir=run, cwd=tmp_path, timeout=150, check=False
-        )
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        return proc.stdout + proc.stderr
-
-    job("fresh")
-    saved = run / "checkpoints" / "step-00000001"
+    script, run, _ = fresh
+    saved = tmp_path / "step-00000001"
+    shutil.copytree(run / "checkpoints" / "step-00000001", saved)
     files = sorted(saved.glob("*.distcp"))
     assert len(files) == 2  # the replicas' copies are written once, split over both ranks
     victim = files[1]  # one byte of one tensor: exactly one of the ranks checks it
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    text = job(str(saved))
+    proc = varuna_run(
+        [script, saved], pipeline=1, data=2, run_dir=tmp_path / "run", cwd=tmp_path, timeout=150, check=False
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
     for rank in (0, 1):
         assert re.search(
             rf"refused on rank {rank}: checkpoint file .*{victim.name} is corrupted: the bytes of '", text

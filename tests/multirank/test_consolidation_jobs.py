@@ -101,13 +101,13 @@ def test_cli_writes_the_same_file(job, tmp_path: Path) -> None:
 def _without_layout(step: Path, dest: Path) -> Path:
     """A copy of the checkpoint as a Varuna before consolidate wrote it: no state_dict layout."""
     shutil.copytree(step, dest)
-    extra = torch.load(dest / "extra.pt", weights_only=True)
+    extra = json.loads((dest / "extra.json").read_text())
     del extra["state_dict"]
-    torch.save(extra, dest / "extra.pt")
+    (dest / "extra.json").write_text(json.dumps(extra))
     manifest = json.loads((dest / "manifest.json").read_text())
-    manifest["files"]["extra.pt"] = {
-        "bytes": (dest / "extra.pt").stat().st_size,
-        "crc32": cio.file_crc(dest / "extra.pt"),
+    manifest["files"]["extra.json"] = {
+        "bytes": (dest / "extra.json").stat().st_size,
+        "crc32": cio.file_crc(dest / "extra.json"),
     }
     (dest / "manifest.json").write_text(json.dumps(manifest))
     return dest

@@ -19,6 +19,8 @@ import torch
 from _helpers import REPO as ROOT
 from _helpers import SCRIPTS
 
+from varuna.checkpoint.layout import read_extra
+
 SCRIPT = SCRIPTS / "morph_train.py"
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import (  # noqa: E402
@@ -116,7 +118,7 @@ def test_resize_from_the_cli_while_running_keeps_the_fp16_loss_scale(tmp_path: P
     assert before <= 2.0**24 and any(r["skipped"] for r in steps[:morph_at])
     # ... and carries over: the resumed step starts from it (halving only if that step overflows)
     assert after in (before, before / 2)
-    extra = torch.load(run / "checkpoints" / f"step-{morph_at:08d}" / "extra.pt", weights_only=True)
+    extra = read_extra(run / "checkpoints" / f"step-{morph_at:08d}")
     assert extra["scaler"]["scale"] == before
     losses = [r["loss"] for r in steps if not r["skipped"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]

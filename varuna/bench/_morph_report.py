@@ -27,7 +27,7 @@ DEFINITIONS = {
     "bytes": "the checkpoint's size, engine.last_checkpoint['bytes'] (its manifest's 'bytes')",
     "write_s": "engine.last_checkpoint['seconds'] on rank 0: engine.checkpoint() from gathering the "
     "tensors to the commit of checkpoints/latest (DCP save with the CRC-32 of every tensor's bytes "
-    "computed in memory, fsync of every file, extra.pt, manifest, renames)",
+    "computed in memory, fsync of every file, extra.json, manifest, renames)",
     "write_mb_s": "bytes / write_s / 1e6",
     "plain_write_mb_s": "bytes / seconds of an open-write(8 MiB chunks of one random block)-fsync of "
     "as many bytes to a new file in the run directory, one writer, into new page-cache pages as the "
@@ -43,7 +43,7 @@ DEFINITIONS = {
     "after its checkpoint) to the relaunched rank 0's module start (time.time() at import of the "
     "worker module: after Python started, varuna.launch.worker imported torch and the ranks met)",
     "load_s": "engine.resume_info['seconds'] on the relaunched rank 0: resolve, verify the manifest "
-    "(presence and size of every file, CRC-32 of .metadata and extra.pt), read extra.pt and the "
+    "(presence and size of every file, CRC-32 of metadata.json and extra.json), read extra.json and the "
     "metadata, DCP load (each rank reads its tensors' bytes into them; every extent read is "
     "checked against its CRC-32 by one of the ranks that read it)",
     "request_to_resumed_step_s": "t = 0 to the end of the first step after the resume "
@@ -52,10 +52,10 @@ DEFINITIONS = {
     "breakdown_s": "consecutive differences of the timeline; they add up to request_to_resumed_step_s",
     "checkpoint_phases_s": "rank 0's wall seconds inside the calls varuna.checkpoint.layout.save makes while "
     "checkpointing: dcp.save (writing every byte, checksumming it, fsync), crc32 (every CRC-32 "
-    "computation: of the tensors' bytes in memory inside dcp.save, of .metadata and extra.pt after "
+    "computation: of the tensors' bytes in memory inside dcp.save, of metadata.json and extra.json after "
     "it), fsync (every os.fsync, those inside dcp.save too), collectives (barrier, "
     "broadcast_object_list; they include waiting for the other ranks); crc32 and fsync overlap "
-    "dcp.save; other = write_s - dcp.save - collectives (gathering tensors, extra.pt, manifest, "
+    "dcp.save; other = write_s - dcp.save - collectives (gathering tensors, extra.json, manifest, "
     "rank 0's fsyncs after dcp.save, renames)",
     "reference": "after the job, on the same filesystem: plain writes (new pages; reused pages; "
     "before the job); a CRC-32 pass reading back the committed checkpoint; dcp.save with DCP's "
@@ -64,7 +64,7 @@ DEFINITIONS = {
     "load_phases_s": "the same for the resume on the new rank 0: crc32 (of the small files in "
     "verify, and of the extents this rank checks inside dcp.load), dcp.load (every rank reads what "
     "its parameters and optimizer state need), other = load_s - dcp.load (verify, metadata, "
-    "extra.pt, placeholders, broadcast of the verdict)",
+    "extra.json, placeholders, broadcast of the verdict)",
 }
 
 

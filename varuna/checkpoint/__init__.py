@@ -1,5 +1,6 @@
 """Checkpoints keyed by parameter name: the layout (files, manifest, `latest`), the storage of
-raw tensor bytes with CRC-32s, and consolidation into one state dict of the plain model."""
+raw tensor bytes with CRC-32s, and consolidation into one state dict of the plain model.
+Nothing in a checkpoint is a pickle: metadata and extra values are JSON."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ _WHERE = {
     "CheckpointConfig": "config",
     "save": "layout",
     "resolve": "layout",
+    "latest": "layout",
     "verify": "layout",
     "read_extra": "layout",
     "load_tensors": "layout",

@@ -3,7 +3,7 @@
 A checkpoint is spread over the ranks' files and keyed by canonical parameter name, one entry per
 tied weight ("model.<name>", "buffer.<key>"); the plain model's `state_dict()` has one entry per name
 a tensor is registered under. The engine records at save time where each key comes from (the
-"state_dict" layout in `extra.pt`, see `varuna.engine.train_state.state_dict_layout`), so this reads the
+"state_dict" layout in `extra.json`, see `varuna.engine.train_state.state_dict_layout`), so this reads the
 checkpoint in one process, without torch.distributed, and writes exactly the keys the plain model
 loads with `strict=True`:
 
@@ -83,15 +83,12 @@ def find_checkpoint(path: Path) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist; {_WHERE}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a file, not a checkpoint directory; {_WHERE}")
-    if any((path / f).exists() for f in ("manifest.json", "extra.pt", ".metadata")):
-        return path  # a step directory (an uncommitted one fails verify, which says so)
+    if any((path / f).exists() for f in ("manifest.json", "extra.json", "metadata.json", ".metadata")):
+        return path  # a step directory (an uncommitted or old one fails verify, which says so)
     for root in (path, path / "checkpoints"):
-        pointer = root / "latest"
-        if pointer.is_file():
-            return root / pointer.read_text().strip()
-        names = ckpt.checkpoint_names(root)
-        if names:
-            return root / names[-1]
+        found = ckpt.latest(root)  # `latest` confined to root, or the newest complete one
+        if found is not None:
+            return found
     raise CheckpointError(
         f"{path} holds no checkpoint (no manifest.json, latest or checkpoints/latest); {_WHERE}"
     )

@@ -7,8 +7,12 @@ torch.load (two more copies). `Writer` here writes each tensor's bytes from its 
 file per rank, computes their CRC-32 from that memory on a helper thread meanwhile (never by
 reading the file back), and asks the kernel to start writing back every `WRITEBACK` bytes so
 that the disk works while the rest is copied (the fsync at the end makes the file durable). The
-extents (file, offset, length, CRC-32) are DCP's per-item storage data, so they land in
-`.metadata`. `Reader` reads each extent straight into its destination tensor; the coordinator
+extents (file, offset, length, CRC-32) are DCP's per-item storage data. DCP's own writer pickles
+its metadata into `.metadata` and its reader unpickles it, so a forged file would run code on load:
+`Writer.finish` writes `metadata.json` instead and `Reader.read_metadata` (and `read_metadata`, for
+every other reader here) rebuilds DCP's Metadata from it (`varuna.checkpoint._plain`); no pickle is
+written or read. A failed write (a full disk: ENOSPC) is a CheckpointError naming the file and the
+fix. `Reader` reads each extent straight into its destination tensor; the coordinator
 gives every extent to one of the ranks that read it to check, balancing the bytes
 (`Reader.prepare_global_plan`), and DCP hands what any rank raised to every rank, which
 `dcp_errors` turns back into the CheckpointError naming the file.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import os
 import sys
 import zlib
@@ -45,9 +50,24 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from varuna.checkpoint import _plain
 from varuna.errors import CheckpointError
 
-__all__ = ["Writer", "Reader", "Extent", "checksum", "file_crc", "verify_extents", "dcp_errors"]
+__all__ = [
+    "Writer",
+    "Reader",
+    "Extent",
+    "FORMAT",
+    "checksum",
+    "file_crc",
+    "read_metadata",
+    "verify_extents",
+    "dcp_errors",
+    "write_failed",
+]
+
+FORMAT = 3
+"""3: metadata and extra values in JSON, no pickle (2 pickled DCP's metadata; 1 was DCP's torch.save records)."""
 
 CHUNK = 1 << 22
 WRITEBACK = 64 << 20
@@ -142,14 +162,23 @@ class Writer(dcp.FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0.distcp"
+        try:
+            results = self._write(Path(self.path) / name, name, plan, planner)
+        except OSError as exc:
+            raise write_failed(Path(self.path) / name, exc) from None
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write(self, path: Path, name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         written: list[tuple[Any, int, int, Callable[[], int]]] = []
-        with open(Path(self.path) / name, "wb", buffering=0) as f, _Checksums() as crcs:
+        with open(path, "wb", buffering=0) as f, _Checksums() as crcs:
             offset = flushed = 0
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     raise CheckpointError(
                         f"checkpoint entry {item.index.fqn!r} is not a tensor; only tensors go through DCP "
-                        "here (everything else belongs in extra.pt, read with weights_only=True)"
+                        "here (every other value belongs in extra.json)"
                     )
                 tensor = planner.resolve_data(item)
                 assert isinstance(tensor, torch.Tensor)
@@ -165,13 +194,36 @@ class Writer(dcp.FileSystemWriter):
                     start_writeback(f.fileno(), flushed, offset - flushed)
                     flushed = offset
             os.fsync(f.fileno())
-            results = [
+            return [
                 WriteResult(index=index, size_in_bytes=n, storage_data=Extent(name, at, n, crc()))
                 for index, at, n, crc in written
             ]
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator: `metadata.json` (never DCP's pickled `.metadata`), fsynced."""
+        extents = {wr.index: wr.storage_data for ranks in results for wr in ranks}
+        path = Path(self.path) / _plain.METADATA
+        try:
+            with open(path, "wb") as f:
+                f.write(_plain.metadata_json(metadata, extents, FORMAT))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise write_failed(path, exc) from None
+
+
+def write_failed(path: Path, exc: OSError) -> CheckpointError:
+    """The CheckpointError of a checkpoint file that could not be written, saying what to do."""
+    what = errno.errorcode.get(exc.errno or 0, "error")
+    fix = (
+        "the disk is full: free space there or lower checkpoint_keep"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        else "check the run directory's file system"
+    )
+    return CheckpointError(
+        f"checkpoint file {path} could not be written: {exc.strerror or exc} ({what}); {fix}. The checkpoint "
+        "was not committed: checkpoints/latest still names the previous one"
+    )
 
 
 def read_exactly(f: Any, offset: int, out: memoryview, path: Path, key: str, crc: int | None) -> int | None:
@@ -196,9 +248,19 @@ def read_exactly(f: Any, offset: int, out: memoryview, path: Path, key: str, crc
 class Reader(dcp.FileSystemReader):
     """Reads each extent straight into its destination tensor and checks the extents it is given."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, metadata: Metadata | None = None) -> None:
         super().__init__(str(path))
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's Metadata rebuilt from `metadata.json` (or the one given, read so already);
+        `.metadata` (a pickle) is never opened. Rank-local metadata (DCP's fallback) does not exist here."""
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(
+                f"checkpoint {self.path} has no rank-local metadata; it has {_plain.METADATA}"
+            )
+        return self._metadata if self._metadata is not None else read_metadata(Path(self.path))
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -289,9 +351,14 @@ class Reader(dcp.FileSystemReader):
         return out
 
 
+def read_metadata(path: Path) -> Metadata:
+    """The checkpoint's DCP Metadata, from its `metadata.json` (checked; never a pickle)."""
+    return _plain.metadata_from_json(path / _plain.METADATA, FORMAT, Extent)
+
+
 def verify_extents(path: Path, manifest: dict[str, Any]) -> None:
     """Every data file is exactly its extents, one after the other, each matching its CRC-32."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(path)
     by_file: dict[str, list[tuple[str, Extent]]] = {}
     for index, extent in metadata.storage_data.items():
         if not isinstance(extent, Extent):

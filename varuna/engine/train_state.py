@@ -2,11 +2,11 @@
 
 `varuna.checkpoint.layout` is the layout (files, manifest, CRC-32s, tensors keyed by name); this module
 says which tensors and values make an exact resume: this rank's parameters ("model.<name>"), its
-optimizer state ("optim.<name>.<key>"), its RNG state ("rng.rank<r>"), and in `extra.pt` the
+optimizer state ("optim.<name>.<key>"), its RNG state ("rng.rank<r>"), and in `extra.json` the
 step, the config, the loss scale, the LR scheduler and the optimizer's hyper-parameters and class.
 
 For `varuna.consolidate` (one plain state dict from a checkpoint saved at any P x D) it also saves
-this rank's real persistent buffers ("buffer.<state_dict key>") and, in `extra.pt`, where every key
+this rank's real persistent buffers ("buffer.<state_dict key>") and, in `extra.json`, where every key
 of the plain model's `state_dict()` comes from (`state_dict_layout`). Resume reads neither: it loads
 only the keys it asks for.
 """
