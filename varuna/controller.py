@@ -7,11 +7,14 @@
     ctl.resize(pipeline=4, data=1)  # stop with a checkpoint, relaunch in the new shape from it
     ctl.stop(); ctl.resume()        # ... and later relaunch from checkpoints/latest
     JobController.attach("runs/x")  # after a kernel restart: replay the log, reconnect if it runs
+    ctl.silent_ranks()              # ranks not heard from for silent_after_s (default 10 s): host, last action
 
 Workers PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for
 commands (both bound to loopback unless `interface=` says otherwise; see varuna.telemetry.events). A
 supervisor thread runs `Job.start()`/`Job.wait()` and, after a morph exit (75) that it did not
 ask for as a stop, relaunches in the queued shape, as `varuna run --elastic` does. No Jupyter here.
+The key reaches the workers by name in mpiexec's environment, kept for `attach` in controller.json (0600)
+only. A thread notes `rank_silent`/`rank_back` as ranks' heartbeats stop and resume (varuna.telemetry.heartbeat).
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ from varuna.launch.job import Job
 from varuna.launch.launches import ConsoleTail, DeadRank, Launch, post_mortem
 from varuna.telemetry import events as _events
 from varuna.telemetry.channel import Channel
+from varuna.telemetry.heartbeat import DEFAULT_SILENT_AFTER_S, Liveness, SilentRank
 from varuna.telemetry.store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
 
-__all__ = ["JobController", "JobState", "DeadRank"]
+__all__ = ["JobController", "JobState", "DeadRank", "SilentRank"]
 
 JobState = Literal["starting", "running", "checkpointing", "morphing", "stopped", "failed", "finished"]
 
@@ -50,7 +54,11 @@ JobState = Literal["starting", "running", "checkpointing", "morphing", "stopped"
 class JobController:
     """One job's controller; make it with `start` or `attach`."""
 
-    def __init__(self, run_dir: Path, *, interface: str = "127.0.0.1", key: str | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, *, interface: str = "127.0.0.1", key: str | None = None,
+        silent_after_s: float = DEFAULT_SILENT_AFTER_S,
+    ) -> None:  # fmt: skip
+        self.liveness = Liveness(silent_after_s)  # validates silent_after_s first
         self.run_dir = Path(run_dir).absolute()
         self.interface = interface
         self.key = key or _events.new_key()
@@ -70,14 +78,34 @@ class JobController:
         self.elastic = True
         """Relaunch after a morph exit (a resize, a stop-for-morph); False: a morph exit ends the job."""
         self._slots: int | None = None
+        self._attached_job: str | None = None
 
     # sockets -----------------------------------------------------------------------------------
     def _bind(self, events: str | None = None, commands: str | None = None) -> None:
         self._channel = Channel(
-            self.run_dir, self.key, self.store.add, interface=self.interface, events=events, commands=commands
+            self.run_dir, self.key, self._on_event, interface=self.interface, events=events, commands=commands
         )
         self.events_address = self._channel.events_address
         self.commands_address = self._channel.commands_address
+        self._spawn(self._watch_silence)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        self.liveness.see(event)
+        if event["type"] != "heartbeat":  # a beat a second per rank: counted as life, not stored
+            self.store.add(event)
+
+    def _watch_silence(self) -> None:
+        """Note `rank_silent` when a rank goes quiet, `rank_back` when it speaks again."""
+        quiet: dict[int, SilentRank] = {}
+        while not self._closing.wait(0.25):
+            now = {s.rank: s for s in self.silent_ranks()}
+            for rank in now.keys() - quiet.keys():
+                s = now[rank]
+                self._note("rank_silent", silent_rank=rank, host=s.host, last_action=s.last_action,
+                           silent_s=round(s.silent_s, 1))  # fmt: skip
+            for rank in quiet.keys() - now.keys():
+                self._note("rank_back", silent_rank=rank, host=quiet[rank].host)
+            quiet = now
 
     def _spawn(self, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, daemon=True, name="varuna-controller")
@@ -121,12 +149,15 @@ class JobController:
         timeout_s: float | None = None,
         grace_s: float = 10.0,
         resume: str | None = None,
+        silent_after_s: float = DEFAULT_SILENT_AFTER_S,
     ) -> JobController:
-        """Launch `script_argv` at `pipeline` x `data` through `varuna.launch.job.Job`; return at once."""
+        """Launch `script_argv` at `pipeline` x `data` through `varuna.launch.job.Job`; return at once.
+
+        A rank not heard from for `silent_after_s` seconds is reported (`silent_ranks()`)."""
         run_dir = (
             Path(run_dir) if run_dir is not None else Path.cwd() / "runs" / time.strftime("%Y%m%d-%H%M%S")
         )
-        self = cls(run_dir, interface=interface)
+        self = cls(run_dir, interface=interface, silent_after_s=silent_after_s)
         self.elastic = elastic
         self._argv = list(script_argv)
         self._job_options = {
@@ -204,17 +235,20 @@ class JobController:
 
     # attaching ---------------------------------------------------------------------------------
     @classmethod
-    def attach(cls, run_dir: str | Path, *, reconnect: bool = True) -> JobController:
-        """Reattach to the job of `run_dir`: replay its events; reconnect when it still runs."""
+    def attach(
+        cls, run_dir: str | Path, *, reconnect: bool = True, silent_after_s: float = DEFAULT_SILENT_AFTER_S
+    ) -> JobController:
+        """Reattach to the job of `run_dir`: replay its events; reconnect (key from controller.json) when it runs."""
         run_dir = Path(run_dir).absolute()
         if not (run_dir / "job.json").exists():
             raise ConfigError(f"{run_dir} is not a varuna run directory (it has no job.json)")
         info = _events.read_controller_info(run_dir) or {}
-        self = cls(run_dir, key=info.get("key"))
+        self = cls(run_dir, key=info.get("key"), silent_after_s=silent_after_s)
         self.elastic = False
         for event in _events.read_events(run_dir):
             self.store.add(event)
         job = json.loads((run_dir / "job.json").read_text())
+        self._attached_job = job.get("job_id")
         self._attached_pids = live_workers(run_dir)
         if "end" not in job and self._attached_pids:
             self._state = "running"
@@ -289,6 +323,20 @@ class JobController:
         """Ranks of the current launch that said hello."""
         job = self.job.job_id if self.job else None
         return {e["rank"] for e in self.store.events("hello", job=job)}
+
+    def silent_ranks(self) -> list[SilentRank]:
+        """Ranks of the running launch not heard from (heartbeat or any event) for `silent_after_s`
+        seconds, with their host and last action; empty when no launch runs."""
+        with self._lock:
+            launch = self._launches[-1] if self._launches else None
+            state = self._state
+        if launch is not None:
+            return self.liveness.silent(launch.job.job_id) if launch.code is None else []
+        return self.liveness.silent(self._attached_job) if state == "running" else []
+
+    def dropped_messages(self) -> dict[str, int]:
+        """Messages the controller refused, by reason (too_big, bad_signature, malformed, replay, stale)."""
+        return self._channel.drops if self._channel is not None else {}
 
     def log_tail(self, rank: int, lines: int = 40) -> str:
         """The last `lines` lines of RUN_DIR/logs/rank{rank}.log."""

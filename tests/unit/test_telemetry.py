@@ -20,6 +20,12 @@ from varuna.models import GPT, gpt_tiny
 from varuna.telemetry import events as _events
 
 KEY = bytes.fromhex(_events.new_key())
+CONTROLLER = _events.Sender("controller")
+
+
+def command(key: bytes = KEY, **message: object) -> list[bytes]:
+    """A command as the controller's channel sends it: stamped (sender, seq, time), then signed."""
+    return _events.encode(key, CONTROLLER.stamp(message))
 
 
 # --- signing and framing ---------------------------------------------------------------------------
@@ -149,8 +155,8 @@ def test_signed_events_and_a_checkpoint_command(tmp_path: Path, monkeypatch: pyt
         def between(step: int) -> None:
             if step == 1:
                 time.sleep(0.3)  # let the SUB socket join
-                pub.send_multipart(_events.encode(KEY, {"cmd": "checkpoint"}))
-                pub.send_multipart(_events.encode(b"wrong", {"cmd": "stop"}))  # dropped: bad signature
+                pub.send_multipart(command(cmd="checkpoint"))
+                pub.send_multipart(command(b"wrong", cmd="stop"))  # dropped: bad signature
                 time.sleep(0.1)
 
         engine = train(tmp_path, 3, between)
@@ -185,10 +191,10 @@ def test_paused_steps_record_nothing_and_set_pauses_from_the_next_step(
                 engine._telemetry.paused = True  # steps 2 and 3
             if step == 3:
                 time.sleep(0.3)  # let the SUB socket join
-                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "paused": False}))  # read in step 4
+                pub.send_multipart(command(cmd="set", paused=False))  # read in step 4
                 time.sleep(0.1)
             if step == 4:
-                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "paused": True}))  # read in step 5
+                pub.send_multipart(command(cmd="set", paused=True))  # read in step 5
                 time.sleep(0.1)
 
         torch.manual_seed(0)
