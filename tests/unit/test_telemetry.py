@@ -171,7 +171,9 @@ def test_signed_events_and_a_checkpoint_command(tmp_path: Path, monkeypatch: pyt
         received = []
         while pull.poll(500):
             received.append(_events.decode(KEY, pull.recv_multipart()))
-        types = [e["type"] for e in received if e is not None and e["type"] != "heartbeat"]  # beats: sent only
+        types = [
+            e["type"] for e in received if e is not None and e["type"] != "heartbeat"
+        ]  # beats: sent only
         assert types[:2] == ["hello", "ready"] and "checkpoint_done" in types
         assert types == [e["type"] for e in logged(tmp_path)]  # the socket and the log agree
         seqs = [e["seq"] for e in received]
@@ -257,5 +259,7 @@ def test_a_bad_heartbeat_interval_is_a_config_error(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("VARUNA_EVENTS_KEY", KEY.hex())
     for bad in ("fast", "-1", "nan"):
         monkeypatch.setenv("VARUNA_HEARTBEAT_S", bad)
-        with pytest.raises(ConfigError, match=rf"VARUNA_HEARTBEAT_S must be a number of seconds >= 0 .*got '{bad}'"):
+        with pytest.raises(
+            ConfigError, match=rf"VARUNA_HEARTBEAT_S must be a number of seconds >= 0 .*got '{bad}'"
+        ):
             train(tmp_path, 1)
