@@ -64,3 +64,11 @@ def test_a_controller_without_a_running_launch_reports_no_one(tmp_path) -> None:
     ctl = JobController(tmp_path, silent_after_s=0.5)
     ctl.liveness.see(beat(0, "idle"), now=0.0)
     assert ctl.liveness.silent() != [] and ctl.silent_ranks() == []
+
+
+def test_actions_are_the_last_reported_per_rank() -> None:
+    live = Liveness()
+    live.see({"type": "hello", "rank": 1, "job": "j1"}, now=0.0)
+    live.see(beat(0, "step 3"), now=0.0)
+    live.see(beat(0, "after step 3"), now=0.5)
+    assert live.actions() == {0: "after step 3", 1: None}

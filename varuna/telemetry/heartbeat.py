@@ -127,6 +127,11 @@ class Liveness:
                 seen.action = event["action"]
             seen.gone = kind == "exit" or (kind == "heartbeat" and event.get("action") == "exited")
 
+    def actions(self) -> dict[int, str | None]:
+        """Each rank's last reported action (None before its first heartbeat), by rank."""
+        with self._lock:
+            return {rank: s.action for rank, s in sorted(self._ranks.items())}
+
     def silent(self, job: Any = None, now: float | None = None) -> list[SilentRank]:
         """Ranks (of launch `job`, when given) silent for more than `silent_after_s`, by rank."""
         now = time.monotonic() if now is None else now
