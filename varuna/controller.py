@@ -7,13 +7,16 @@
     ctl.resize(pipeline=4, data=1)  # stop with a checkpoint, relaunch in the new shape from it
     ctl.stop(); ctl.resume()        # ... and later relaunch from checkpoints/latest
     JobController.attach("runs/x")  # after a kernel restart: full control again, and the live view
+    ctl.silent_ranks()              # ranks not heard from for silent_after_s (default 10 s): host, last action
 
 The job does not live in this process: `start` hands it to its own supervisor process
 (`varuna.launch.agent`), which runs mpiexec in a session of its own and relaunches after morphs, so a
 kernel that crashes or restarts takes nothing with it. This process talks to the agent through files in
 the run directory (the agent's state and notes; the intents it writes) and to the ranks over ZeroMQ:
 they PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for commands (bound
-to loopback unless `interface=` says otherwise; see varuna.telemetry.events). No Jupyter here.
+to loopback unless `interface=` says otherwise; see varuna.telemetry.events). The key reaches the agent
+and the ranks in their environment only, kept for `attach` in controller.json (0600). A thread notes
+`rank_silent`/`rank_back` as ranks' heartbeats stop and resume (varuna.telemetry.heartbeat). No Jupyter here.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from typing import Any, Literal
 
 import zmq
 
-from varuna._files import write_json_atomic
 from varuna.elastic.protocol import MORPH_EXIT, live_workers, request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
 from varuna.elastic.supervisor import USER_STOP
@@ -39,19 +41,24 @@ from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
 from varuna.launch.pids import check_status
 from varuna.telemetry import events as _events
 from varuna.telemetry.channel import Channel
+from varuna.telemetry.heartbeat import DEFAULT_SILENT_AFTER_S, Liveness, SilentRank, watch_silence
 from varuna.telemetry.settings import check_settings
-from varuna.telemetry.store import EventStore, RankRow, StageMemory, StepMetrics, Timeline
+from varuna.telemetry.store import EventStore, StoreViews
 
-__all__ = ["JobController", "JobState", "DeadRank", "LaunchView"]
+__all__ = ["JobController", "JobState", "DeadRank", "LaunchView", "SilentRank"]
 
 JobState = Literal["starting", "running", "checkpointing", "morphing", "stopped", "failed", "finished"]
 TERMINAL = ("stopped", "failed", "finished")
 
 
-class JobController:
+class JobController(StoreViews):
     """One job's controller; make it with `start` or `attach`."""
 
-    def __init__(self, run_dir: Path, *, interface: str = "127.0.0.1", key: str | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, *, interface: str = "127.0.0.1", key: str | None = None,
+        silent_after_s: float = DEFAULT_SILENT_AFTER_S,
+    ) -> None:  # fmt: skip
+        self.liveness = Liveness(silent_after_s)  # validates silent_after_s first
         self.run_dir = Path(run_dir).absolute()
         self.interface = interface
         self.key = key or _events.new_key()
@@ -75,10 +82,16 @@ class JobController:
     # sockets and files -------------------------------------------------------------------------
     def _bind(self, events: str | None = None, commands: str | None = None) -> None:
         self._channel = Channel(
-            self.run_dir, self.key, self.store.add, interface=self.interface, events=events, commands=commands
+            self.run_dir, self.key, self._on_event, interface=self.interface, events=events, commands=commands
         )
         self.events_address = self._channel.events_address
         self.commands_address = self._channel.commands_address
+        self._spawn(lambda: watch_silence(self.silent_ranks, self._note, self._closing))
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        self.liveness.see(event)
+        if event["type"] != "heartbeat":  # a beat a second per rank: counted as life, not stored
+            self.store.add(event)
 
     def _spawn(self, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, daemon=True, name="varuna-controller")
@@ -147,12 +160,7 @@ class JobController:
 
     def _intent(self, what: str) -> None:
         """Tell the agent what the next exit means (or to signal the job now)."""
-        path = self.run_dir / _agent.AGENT_DIR / _agent.INTENT
-        try:
-            seq = int(json.loads(path.read_text())["seq"])
-        except (OSError, ValueError, KeyError, TypeError):
-            seq = int((self._agent_state or {}).get("intent_seq") or 0)
-        write_json_atomic(path, {"seq": seq + 1, "intent": what, "time": time.time()})
+        _agent.write_intent(self.run_dir, what, after=int((self._agent_state or {}).get("intent_seq") or 0))
 
     # starting ----------------------------------------------------------------------------------
     @classmethod
@@ -171,11 +179,13 @@ class JobController:
         grace_s: float = 10.0,
         resume: str | None = None,
         max_restarts: int = 0,
+        silent_after_s: float = DEFAULT_SILENT_AFTER_S,
     ) -> JobController:
         """Launch `script_argv` at `pipeline` x `data` under its own agent process; return at once.
 
         The arguments are checked here, in the caller. With `elastic`, a morph exit relaunches in the
-        queued shape; a failure relaunches from the latest checkpoint up to `max_restarts` times."""
+        queued shape; a failure relaunches from the latest checkpoint up to `max_restarts` times. A rank
+        not heard from for `silent_after_s` seconds is reported (`silent_ranks()`)."""
         run_dir = (
             Path(run_dir) if run_dir is not None else Path.cwd() / "runs" / time.strftime("%Y%m%d-%H%M%S")
         )
@@ -190,7 +200,7 @@ class JobController:
         )
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ConfigError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-        self = cls(run_dir, interface=interface)
+        self = cls(run_dir, interface=interface, silent_after_s=silent_after_s)
         self._bind()
         spec = {
             "argv": list(script_argv), "hostfile": str(hostfile) if hostfile else None, "timeout_s": timeout_s,
@@ -226,14 +236,16 @@ class JobController:
 
     # attaching ---------------------------------------------------------------------------------
     @classmethod
-    def attach(cls, run_dir: str | Path, *, reconnect: bool = True) -> JobController:
+    def attach(
+        cls, run_dir: str | Path, *, reconnect: bool = True, silent_after_s: float = DEFAULT_SILENT_AFTER_S
+    ) -> JobController:
         """Reattach to the job of `run_dir`: replay its events and, while it runs, take over its
         addresses (after the first controller closed or died) with full control."""
         run_dir = Path(run_dir).absolute()
         if not (run_dir / "job.json").exists() and _agent.read_state(run_dir) is None:
             raise ConfigError(f"{run_dir} is not a varuna run directory (it has no job.json)")
         info = _events.read_controller_info(run_dir) or {}
-        self = cls(run_dir, key=info.get("key"))
+        self = cls(run_dir, key=info.get("key"), silent_after_s=silent_after_s)
         for event in _events.read_events(run_dir):
             self.store.add(event)
         self._pump()
@@ -321,6 +333,16 @@ class JobController:
         """Ranks of the current launch that said hello."""
         job = self.job.job_id if self.job else None
         return {e["rank"] for e in self.store.events("hello", job=job)}
+
+    def silent_ranks(self) -> list[SilentRank]:
+        """Ranks of the running launch not heard from (heartbeat or any event) for `silent_after_s`
+        seconds, with their host and last action; empty when no launch runs."""
+        job = self.job
+        return self.liveness.silent(job.job_id) if job is not None and job.code is None else []
+
+    def dropped_messages(self) -> dict[str, int]:
+        """Messages the controller refused, by reason (too_big, bad_signature, malformed, replay, stale)."""
+        return self._channel.drops if self._channel is not None else {}
 
     def log_tail(self, rank: int, lines: int = 40) -> str:
         """The last `lines` lines of RUN_DIR/logs/rank{rank}.log."""
@@ -462,31 +484,6 @@ class JobController:
         if job is None or job.code is not None or state in TERMINAL or self._legacy is not None:
             raise LaunchError(f"{what}() needs a running job; this one is {state}")
         return job
-
-    # views -------------------------------------------------------------------------------------
-    def timeline(self, last_steps: int = 3) -> Timeline:
-        """Spans of the last steps, one row per stage and replica."""
-        return self.store.timeline(last_steps)
-
-    def step_metrics(self) -> list[StepMetrics]:
-        """Loss, samples/s and bubble fraction per step."""
-        return self.store.step_metrics()
-
-    def memory(self) -> list[StageMemory]:
-        """The latest memory figures per stage."""
-        return self.store.memory()
-
-    def ranks(self) -> list[RankRow]:
-        """Rank, stage, replica, state, last heartbeat, host, pid."""
-        return self.store.ranks()
-
-    def export_chrome_trace(self, path: str | Path, last_steps: int | None = None) -> Path:
-        """Write a Chrome/Perfetto trace JSON of the recorded spans (with send -> recv arrows)."""
-        from varuna._files import write_json_atomic
-
-        path = Path(path)
-        write_json_atomic(path, self.store.chrome_trace(last_steps))  # a reader never sees half a trace
-        return path
 
     def close(self) -> None:
         """Stop receiving and close the sockets (a running job keeps running under its agent)."""

@@ -64,3 +64,13 @@ def test_activations_go_to_receives_posted_early_and_shape_changes_still_arrive(
         # 5 steps x 3 micro-batches: step 0 has no early receives; micro-batch 1 changes shape at
         # step 3 and back at step 4, so it misses twice: 15 - 3 - 2 = 10
         assert seen[0][mode]["early"] == 10
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_one_host_job_puts_the_store_and_gloo_on_loopback(tmp_path: Path, varuna_run) -> None:
+    """A TCPStore given host 127.0.0.1 still listens on every interface unless handed a socket."""
+    seen = _two_ranks(varuna_run, tmp_path, "store_address.py", "STORE")
+    assert seen[0]["port"] == seen[1]["port"]
+    assert seen[0]["listen"] == ["127.0.0.1"]  # the server, on rank 0: loopback only
+    assert all(s["gloo_ifname"] == "lo" for s in seen.values())

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -59,6 +61,64 @@ def test_job_runs_with_hello_from_both_ranks(ctl: JobController) -> None:
     ]
     assert all(r.pid and r.host and r.last_heartbeat and time.time() - r.last_heartbeat < 10 for r in rows)
     assert "step" in ctl.log_tail(0)
+
+
+def job_processes(job_id: str) -> dict[int, list[str]]:
+    """pid -> argv of every process of the job on this host (mpiexec, hydra's proxy, the ranks)."""
+    tag, found = f"VARUNA_JOB_ID={job_id}".encode(), {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and tag in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_the_key_is_on_no_command_line_and_only_in_controller_json(ctl: JobController) -> None:
+    assert ctl.job is not None
+    key = ctl.key
+    procs = job_processes(ctl.job.job_id)
+    names = [Path(argv[0]).name for argv in procs.values()]
+    ranks = [pid for pid, argv in procs.items() if argv[1:3] == ["-m", "varuna.launch.worker"]]
+    assert "mpiexec" in names and "hydra_pmi_proxy" in names and len(ranks) == 2, names
+    assert not [argv for argv in procs.values() if any(key in arg for arg in argv)]
+    assert all(key.encode() in Path(f"/proc/{pid}/environ").read_bytes() for pid in ranks)  # it came by env
+    files = [p for p in ctl.run_dir.rglob("*") if p.is_file()]
+    assert ctl.run_dir / "job.json" in files
+    assert [p.name for p in files if key.encode() in p.read_bytes()] == ["controller.json"]
+    assert (ctl.run_dir / "controller.json").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_rank_is_reported_silent_with_host_and_last_action_then_back(ctl: JobController) -> None:
+    pid = {r.rank: r.pid for r in ctl.ranks()}[1]
+    notes = len(ctl.store.events("rank_silent")), len(ctl.store.events("rank_back"))
+    ctl.liveness.silent_after_s = 2.0
+    try:
+        in_step = re.compile(r"(after )?step \d+(: (all-reduce|sent [FB] mb \d+))?")
+        assert wait_for(
+            lambda: in_step.fullmatch(ctl.liveness.actions().get(1) or ""), 10
+        )  # beats say training
+        assert ctl.silent_ranks() == []
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: [s.rank for s in ctl.silent_ranks()] == [1], 15), ctl.silent_ranks()
+            (silent,) = ctl.silent_ranks()
+            assert silent.host == socket.gethostname() and silent.silent_s > 2.0
+            assert in_step.fullmatch(silent.last_action or "")
+            assert wait_for(lambda: len(ctl.store.events("rank_silent")) > notes[0], 5)
+            note = ctl.store.events("rank_silent")[-1]
+            assert (note["silent_rank"], note["host"]) == (1, silent.host) and note["last_action"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert wait_for(lambda: ctl.silent_ranks() == [], 15), ctl.silent_ranks()
+        assert wait_for(lambda: len(ctl.store.events("rank_back")) > notes[1], 5)
+        assert ctl.store.events("rank_back")[-1]["silent_rank"] == 1
+        assert ctl.state == "running"
+    finally:
+        ctl.liveness.silent_after_s = 10.0
 
 
 @pytest.mark.timeout(60)

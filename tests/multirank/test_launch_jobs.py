@@ -131,7 +131,8 @@ def test_a_job_past_its_timeout_is_stopped(tmp_path: Path) -> None:
 
 def test_mpiexec_command_mpich(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
-    cmd = mpiexec_command(4, ["python", "-m", "varuna.launch.worker", "t.py"], hostfile=hosts, env={"A": "1"})
+    env = {"A": "1", "VARUNA_EVENTS_KEY": "s3cret"}
+    cmd = mpiexec_command(4, ["python", "-m", "varuna.launch.worker", "t.py"], hostfile=hosts, env=env)
     assert Path(cmd[0]).name == "mpiexec"
     assert cmd[1:] == [
         "-n",
@@ -141,6 +142,8 @@ def test_mpiexec_command_mpich(tmp_path: Path) -> None:
         "-genv",
         "A",
         "1",
+        "-genvlist",
+        "VARUNA_EVENTS_KEY",  # by name: the value stays in mpiexec's environment
         "python",
         "-m",
         "varuna.launch.worker",
@@ -155,10 +158,14 @@ def test_mpiexec_command_open_mpi(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("VARUNA_MPIEXEC", str(fake))
     launch.mpi_flavor.cache_clear()
     try:
-        cmd = mpiexec_command(2, ["python", "x.py"], hostfile=Path("h"), env={"A": "1"})
+        env = {"A": "1", "VARUNA_EVENTS_KEY": "s3cret", "TOKEN": "t0k"}
+        cmd = mpiexec_command(2, ["python", "x.py"], hostfile=Path("h"), env=env, secret=frozenset({"TOKEN"}))
+        default = mpiexec_command(1, ["x.py"], hostfile=None, env=env)
     finally:
         launch.mpi_flavor.cache_clear()
-    assert cmd == [str(fake), "-n", "2", "--oversubscribe", "--hostfile", "h", "-x", "A=1", "python", "x.py"]
+    assert cmd == [str(fake), "-n", "2", "--oversubscribe", "--hostfile", "h", "-x", "A=1",
+                   "-x", "VARUNA_EVENTS_KEY=s3cret", "-x", "TOKEN", "python", "x.py"]  # fmt: skip
+    assert default[-7:] == ["-x", "A=1", "-x", "VARUNA_EVENTS_KEY", "-x", "TOKEN=t0k", "x.py"]
 
 
 @pytest.mark.timeout(90)

@@ -31,7 +31,8 @@ def test_unsigned_and_badly_signed_events_are_dropped(tmp_path: Path) -> None:
         push.connect(ctl.events_address)
         push.send_multipart([b"", b'{"type": "hello", "rank": 7}'])
         push.send_multipart(_events.encode(b"not the key", {"type": "hello", "rank": 8}))
-        push.send_multipart(_events.encode(bytes.fromhex(ctl.key), {"type": "hello", "rank": 9, "seq": 1}))
+        rank9 = _events.Sender("rank9").stamp({"type": "hello", "rank": 9})
+        push.send_multipart(_events.encode(bytes.fromhex(ctl.key), rank9))
         assert wait_for(lambda: ctl.store.count > 0, 5.0)
         time.sleep(0.2)
         assert [e["rank"] for e in ctl.store.events("hello")] == [9]

@@ -6,6 +6,7 @@ events, the sampling switches, and a controller command acted on at the end of a
 
 from __future__ import annotations
 
+import socket
 import stat
 import time
 from pathlib import Path
@@ -16,10 +17,17 @@ import zmq
 
 from varuna import Varuna
 from varuna.data import SyntheticLM
+from varuna.errors import ConfigError
 from varuna.models import GPT, gpt_tiny
 from varuna.telemetry import events as _events
 
 KEY = bytes.fromhex(_events.new_key())
+CONTROLLER = _events.Sender("controller")
+
+
+def command(key: bytes = KEY, **message: object) -> list[bytes]:
+    """A command as the controller's channel sends it: stamped (sender, seq, time), then signed."""
+    return _events.encode(key, CONTROLLER.stamp(message))
 
 
 # --- signing and framing ---------------------------------------------------------------------------
@@ -149,20 +157,29 @@ def test_signed_events_and_a_checkpoint_command(tmp_path: Path, monkeypatch: pyt
         def between(step: int) -> None:
             if step == 1:
                 time.sleep(0.3)  # let the SUB socket join
-                pub.send_multipart(_events.encode(KEY, {"cmd": "checkpoint"}))
-                pub.send_multipart(_events.encode(b"wrong", {"cmd": "stop"}))  # dropped: bad signature
+                older_stop = command(cmd="stop")  # stamped first: sent after, it is a replay
+                pub.send_multipart(command(cmd="checkpoint"))
+                pub.send_multipart(older_stop)
+                pub.send_multipart(command(b"wrong", cmd="stop"))  # dropped: bad signature
+                pub.send_multipart(command(cmd="set", spans_every="x"))  # dropped: malformed
                 time.sleep(0.1)
 
         engine = train(tmp_path, 3, between)
         assert engine.last_checkpoint is not None and engine.last_checkpoint["step"] == 2
         assert (tmp_path / "checkpoints" / "step-00000002").is_dir()
-        assert not engine.stop_request
+        assert not engine.stop_request and engine._telemetry.spans_every == 1
         received = []
         while pull.poll(500):
             received.append(_events.decode(KEY, pull.recv_multipart()))
-        types = [e["type"] for e in received if e is not None]
+        types = [
+            e["type"] for e in received if e is not None and e["type"] != "heartbeat"
+        ]  # beats: sent only
         assert types[:2] == ["hello", "ready"] and "checkpoint_done" in types
         assert types == [e["type"] for e in logged(tmp_path)]  # the socket and the log agree
+        seqs = [e["seq"] for e in received]
+        assert seqs == list(range(1, len(seqs) + 1)) and len({e["sender"] for e in received}) == 1
+        dropped = [e for e in received if e["type"] == "commands_dropped"]
+        assert dropped[-1]["counts"] == {"replay": 1, "bad_signature": 1, "malformed": 1}
         done = next(e for e in received if e["type"] == "checkpoint_done")
         assert done["saved_step"] == 2 and done["bytes"] > 0 and Path(done["path"]).is_dir()
     finally:
@@ -185,10 +202,10 @@ def test_paused_steps_record_nothing_and_set_pauses_from_the_next_step(
                 engine._telemetry.paused = True  # steps 2 and 3
             if step == 3:
                 time.sleep(0.3)  # let the SUB socket join
-                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "paused": False}))  # read in step 4
+                pub.send_multipart(command(cmd="set", paused=False))  # read in step 4
                 time.sleep(0.1)
             if step == 4:
-                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "paused": True}))  # read in step 5
+                pub.send_multipart(command(cmd="set", paused=True))  # read in step 5
                 time.sleep(0.1)
 
         torch.manual_seed(0)
@@ -221,14 +238,18 @@ def test_a_bad_set_value_is_ignored_and_reported_not_fatal(
         monkeypatch.setenv("VARUNA_EVENTS_KEY", KEY.hex())
         monkeypatch.setenv("VARUNA_EVENTS", f"tcp://127.0.0.1:{_events.free_port()}")  # nobody listens
 
+        sender = _events.Sender("controller")
+
         def between(step: int) -> None:
             if step == 1:
                 time.sleep(0.3)  # let the SUB socket join
-                # what a controller without checks sent: it killed every rank (int("x"))
-                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "spans_every": "x", "paused": True}))
+                # a value of the right type that a controller without checks sent (a wrong type, e.g.
+                # "x", which killed every rank, is dropped before this as malformed)
+                bad = sender.stamp({"cmd": "set", "spans_every": 0, "paused": True})
+                pub.send_multipart(_events.encode(KEY, bad))
                 time.sleep(0.1)
             if step == 2:
-                pub.send_multipart(_events.encode(KEY, {"cmd": "set", "spans_every": 2}))
+                pub.send_multipart(_events.encode(KEY, sender.stamp({"cmd": "set", "spans_every": 2})))
                 time.sleep(0.1)
 
         engine = train(tmp_path, 4, between)
@@ -239,3 +260,40 @@ def test_a_bad_set_value_is_ignored_and_reported_not_fatal(
     assert "ignored the controller's set command: set(spans_every=...) takes an integer >= 1" in err
     assert not engine._telemetry.paused  # the bad command changed nothing, not even its good part
     assert engine._telemetry.spans_every == 2  # a good one after it still works
+
+
+def test_heartbeats_name_the_host_and_the_last_action_and_are_not_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        monkeypatch.setenv("VARUNA_EVENTS", f"tcp://127.0.0.1:{port}")
+        monkeypatch.setenv("VARUNA_EVENTS_KEY", KEY.hex())
+        monkeypatch.setenv("VARUNA_HEARTBEAT_S", "0.05")
+        engine = train(tmp_path, 2, lambda step: time.sleep(0.3))  # idle between steps: beats say so
+        time.sleep(0.3)
+        engine._telemetry._last_beat()  # what atexit runs: no more beats, then "exited"
+        rx = _events.Receiver(KEY, _events.EVENT_FIELDS, "type")
+        received = []
+        while pull.poll(300):
+            received.append(rx.accept(pull.recv_multipart()))
+        beats = [e for e in received if e is not None and e["type"] == "heartbeat"]
+        actions = [b["action"] for b in beats]
+        assert {"idle", "after step 0", "after step 1"} <= set(actions) and actions[-1] == "exited"
+        assert all(b["host"] == socket.gethostname() and b["rank"] == 0 for b in beats)
+        assert rx.dropped == {} and None not in received  # in order, one sender, all verified
+        assert not [e for e in logged(tmp_path) if e["type"] == "heartbeat"]
+    finally:
+        pull.close(linger=0)
+
+
+def test_a_bad_heartbeat_interval_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VARUNA_EVENTS", f"tcp://127.0.0.1:{_events.free_port()}")
+    monkeypatch.setenv("VARUNA_EVENTS_KEY", KEY.hex())
+    for bad in ("fast", "-1", "nan"):
+        monkeypatch.setenv("VARUNA_HEARTBEAT_S", bad)
+        with pytest.raises(
+            ConfigError, match=rf"VARUNA_HEARTBEAT_S must be a number of seconds >= 0 .*got '{bad}'"
+        ):
+            train(tmp_path, 1)

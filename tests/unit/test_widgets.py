@@ -140,7 +140,7 @@ def test_buttons_follow_the_state(tmp_path: Path) -> None:
     assert "state: idle" in wb.state_line.value
     ctl, live = fed(tmp_path / "live")
     try:
-        ctl._state = "running"
+        ctl._legacy = "running"  # a job this test does not start
         live.refresh(force=True)
         assert {k for k, b in live.buttons.items() if not b.disabled} == {
             "Checkpoint",
@@ -148,7 +148,7 @@ def test_buttons_follow_the_state(tmp_path: Path) -> None:
             "Stop",
             "Export trace",
         }
-        ctl._state = "failed"
+        ctl._legacy = "failed"
         live.refresh(force=True)
         assert live.buttons["Resume"].disabled  # no checkpoint yet
         (tmp_path / "live" / "checkpoints").mkdir(parents=True)

@@ -11,6 +11,13 @@ torch.distributed (gloo on CPU, NCCL on CUDA) and no rank sits in an MPI call, s
     bcast((host, port))  ---->  TCPStore(host, port) as client
     init_process_group(store=...)  on every rank
 
+When every rank runs on this host (the allgathered host names are all the same, as with no
+hostfile), the store listens on 127.0.0.1 only and gloo uses ``lo`` (``GLOO_SOCKET_IFNAME``):
+a TCPStore given host "127.0.0.1" would still listen on every interface, so rank 0 binds the
+loopback socket itself and hands it over (``master_listen_fd``). The store is unauthenticated;
+other hosts must not reach it when they have no business there. A multi-host job listens where
+the other hosts can reach it.
+
 Placement contract (the engine relies on it): world rank ``r`` with pipeline depth ``P`` is
 ``stage = r % P`` and ``replica = r // P``, i.e. ``rank = replica * P + stage``.
 
@@ -249,9 +256,34 @@ def _set_device(backend: str, local_rank: int) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
+def _server_store(host: str, timeout: timedelta) -> Any:
+    """The TCPStore server on a free port, listening on `host` alone when it is the loopback address."""
+    import torch.distributed as dist
+
+    if host != "127.0.0.1":
+        return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns the listening socket from here on
+    finally:
+        sock.close()
+    try:
+        return dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
+        )
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:  # the store closed it already
+            pass
+        raise
+
+
 def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
     """Rendezvous over MPI; return (store, rank, world size, local rank)."""
-    import torch.distributed as dist
 
     comm = _import_mpi().COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -267,7 +299,7 @@ def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
     if rank == 0:
         try:
             host = "127.0.0.1" if one_host else _outbound_ip(hosts)
-            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            store = _server_store(host, timeout)
             address = (host, int(store.port))
         except Exception as exc:  # every rank must leave bcast, or the others would spin in MPI
             address = f"{type(exc).__name__}: {exc}"
@@ -314,7 +346,7 @@ def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = _server_store("127.0.0.1", timeout)
         _set_device(backend, 0)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()

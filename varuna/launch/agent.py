@@ -47,7 +47,7 @@ from varuna.launch.launches import Launch, post_mortem
 from varuna.launch.pids import identity
 from varuna.telemetry import events as _events
 
-__all__ = ["AGENT_DIR", "SPEC", "STATE", "INTENT", "NOTES", "read_state", "spawn", "main"]
+__all__ = ["AGENT_DIR", "SPEC", "STATE", "INTENT", "NOTES", "read_state", "write_intent", "spawn", "main"]
 
 AGENT_DIR = "agent"
 SPEC = "spec.json"
@@ -69,6 +69,17 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) else None
+
+
+def write_intent(run_dir: Path, what: str, *, after: int = 0) -> None:
+    """The controller's side of ``agent/intent.json``: the next sequence number (above `after`, the
+    last the agent consumed) and what the next exit means, or a signal to send now."""
+    path = Path(run_dir) / AGENT_DIR / INTENT
+    try:
+        seq = max(int(json.loads(path.read_text())["seq"]), after)
+    except (OSError, ValueError, KeyError, TypeError):
+        seq = after
+    write_json_atomic(path, {"seq": seq + 1, "intent": what, "time": time.time()})
 
 
 def launch_record(launch: Launch) -> dict[str, Any]:

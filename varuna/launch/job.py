@@ -39,11 +39,15 @@ from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.pids import check_status, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
 
-__all__ = ["Job", "run_job", "mpiexec_command", "find_mpiexec", "mpi_flavor", "read_reports", "summarise"]
+__all__ = [
+    "Job", "run_job", "mpiexec_command", "find_mpiexec", "mpi_flavor", "read_reports", "summarise", "SECRET_ENV",
+]  # fmt: skip
 
 Flavor = Literal["mpich", "openmpi"]
 State = Literal["before", "running", "after"]
 _ROOT_ENV = [f"{p}_ALLOW_RUN_AS_ROOT{s}" for p in ("OMPI", "PRTE") for s in ("", "_CONFIRM")]
+SECRET_ENV = frozenset({"VARUNA_EVENTS_KEY"})
+"""Variables whose values never go on a command line (any user can read /proc/*/cmdline)."""
 
 
 def find_mpiexec() -> Path:
@@ -71,23 +75,34 @@ def mpi_flavor(mpiexec: str) -> Flavor:
     return "openmpi" if ("Open MPI" in text or "OpenRTE" in text or "prte" in text.lower()) else "mpich"
 
 
-def mpiexec_command(n: int, argv: list[str], *, hostfile: Path | None, env: dict[str, str]) -> list[str]:
+def mpiexec_command(
+    n: int,
+    argv: list[str],
+    *,
+    hostfile: Path | None,
+    env: dict[str, str],
+    secret: frozenset[str] = SECRET_ENV,
+) -> list[str]:
     """The ``mpiexec`` command line that starts ``argv`` on ``n`` ranks with ``env`` forwarded.
 
     Both MPIs pass the caller's environment to local ranks; ``env`` is also named explicitly so it
-    reaches ranks on other hosts. Open MPI gets ``--oversubscribe`` (more ranks than cores).
+    reaches ranks on other hosts. Names in ``secret`` go by name only (Open MPI ``-x NAME``, MPICH
+    ``-genvlist NAME``): their values must be in mpiexec's own environment, which only its owner
+    can read. Open MPI gets ``--oversubscribe`` (more ranks than cores).
     """
     exe = str(find_mpiexec())
     cmd = [exe, "-n", str(n)]
+    hidden = [key for key in env if key in secret]
     if mpi_flavor(exe) == "openmpi":
         cmd.append("--oversubscribe")
         cmd += ["--hostfile", str(hostfile)] if hostfile else []
         for key, value in env.items():
-            cmd += ["-x", f"{key}={value}"]
+            cmd += ["-x", key if key in secret else f"{key}={value}"]
     else:
         cmd += ["-f", str(hostfile)] if hostfile else []
         for key, value in env.items():
-            cmd += ["-genv", key, value]
+            cmd += [] if key in secret else ["-genv", key, value]
+        cmd += ["-genvlist", ",".join(hidden)] if hidden else []
     return cmd + list(argv)
 
 
@@ -188,7 +203,7 @@ class Job:
         }
         worker = [sys.executable, "-m", "varuna.launch.worker", *self.script_argv]
         cmd = mpiexec_command(self.world, worker, hostfile=self.hostfile, env=env)
-        full_env = {**os.environ, **env}
+        full_env = {**os.environ, **env}  # secrets reach mpiexec here, never on `cmd` or in job.json
         if mpi_flavor(cmd[0]) == "openmpi" and os.geteuid() == 0:
             full_env.update(dict.fromkeys(_ROOT_ENV, "1"))
         self._meta = {"argv": self.script_argv, "pipeline": self.pipeline, "data": self.data}

@@ -4,7 +4,11 @@ Both sockets bind on one interface (loopback by default; ``"*"`` or ``"0.0.0.0"`
 interface, advertised to the workers by this host's name) and their addresses and the job's key
 go to ``RUN_DIR/controller.json`` (0600), so a later controller can bind the same addresses and
 the workers' sockets, which reconnect by themselves, find it. A background thread verifies every
-message and hands the good ones to ``on_event``; the rest are counted in ``dropped``.
+message (`varuna.telemetry.events.Receiver`: size, signature, fields, sequence, age) and hands the
+good ones to ``on_event``; the rest are counted by reason in ``drops``. The thread is the job's only
+ear, so nothing a message does may end it: an exception from ``on_event`` is counted as
+``malformed`` and kept in ``last_error``. Commands go out stamped by this channel's own `Sender`,
+and the workers check them the same way.
 """
 
 from __future__ import annotations
@@ -53,7 +57,10 @@ class Channel:
         commands: str | None = None,
     ) -> None:
         self.key = key
-        self.dropped = 0
+        self.receiver = _events.Receiver(bytes.fromhex(key), _events.EVENT_FIELDS, "type")
+        self.last_error: str | None = None
+        """The last exception `on_event` raised (its message was dropped), for a post-mortem."""
+        self._sender = _events.Sender("controller")
         self._on_event = on_event
         self._closing = threading.Event()
         self._lock = threading.Lock()
@@ -86,8 +93,17 @@ class Channel:
         self._thread = threading.Thread(target=self._receive, daemon=True, name="varuna-events")
         self._thread.start()
 
+    @property
+    def drops(self) -> dict[str, int]:
+        """Messages dropped so far, by reason (too_big, bad_signature, malformed, replay, stale)."""
+        return dict(self.receiver.dropped)
+
+    @property
+    def dropped(self) -> int:
+        """Messages dropped so far, all reasons."""
+        return sum(self.receiver.dropped.values())
+
     def _receive(self) -> None:
-        key = bytes.fromhex(self.key)
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         while not self._closing.is_set():
@@ -98,17 +114,20 @@ class Channel:
                     frames = self._pull.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                event = _events.decode(key, frames)
+                event = self.receiver.accept(frames)
                 if event is None:
-                    self.dropped += 1
-                else:
+                    continue
+                try:
                     self._on_event(event)
+                except Exception as exc:  # noqa: BLE001 - one bad message must not deafen the controller
+                    self.receiver.dropped["malformed"] += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"
 
     def send(self, cmd: str, **fields: Any) -> None:
         """Publish the command `cmd` (signed) to every subscribed rank."""
-        message = _events.encode(bytes.fromhex(self.key), {"cmd": cmd, "time": time.time(), **fields})
-        with self._lock:
-            self._pub.send_multipart(message)
+        with self._lock:  # stamp and send in one go: seq must reach the wire in order
+            message = self._sender.stamp({"cmd": cmd, "time": time.time(), **fields})
+            self._pub.send_multipart(_events.encode(bytes.fromhex(self.key), message))
 
     def close(self) -> None:
         """Stop the receiver and close both sockets."""

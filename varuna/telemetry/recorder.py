@@ -12,6 +12,15 @@ runtime calls `step()` around each step's actions (to count the bytes autograd s
 on sampled steps, and to report an exception as an `error` event) and `on_send` after each send;
 `attach` adds optimizer step hooks.
 
+Heartbeats (`varuna.telemetry.heartbeat`): with a controller, a thread sends a `heartbeat` event
+every ``VARUNA_HEARTBEAT_S`` (1) seconds with the rank's host and its last ``action`` ("step 7",
+"step 7: sent F mb 3", "step 7: all-reduce", "after step 7", which includes checkpoints and the
+script's own work between steps) and since when; heartbeats are sent, not logged. The socket is
+shared with the main thread under a lock, and each message is stamped (sender, seq) and sent under
+that same lock, so sequence numbers reach the controller in order. Commands are verified like the
+controller verifies events (`varuna.telemetry.events.Receiver`); a dropped one is reported once in
+a `commands_dropped` event with the counts by reason.
+
 Environment: ``VARUNA_TELEMETRY=0`` turns it off; ``VARUNA_TELEMETRY_SPANS_EVERY=N`` records the
 spans of every N-th step (default 1) and ``VARUNA_TELEMETRY_MIN_INTERVAL_S`` at most one spans
 event per that many seconds; per-step metrics are always sent. Counting the activations saved for
@@ -24,19 +33,19 @@ per process.
 
 Pausing: ``paused = True`` (or the controller's ``set(paused=True)``, acted on by every rank at its
 next step) records, logs and sends nothing per step until resumed; lifecycle events and commands
-still go through. What stays is a few Python calls a step (the observer's, `poll`), so
-`python -m varuna.bench telemetry` uses it as the "off" of its on/off comparison; what "on" costs is
-nearly all in the two per-step events (each JSON-encoded for the log and again for the signed
-message, then sent); the README's workbench section has the measured figure.
+still go through: `python -m varuna.bench telemetry` uses it as the "off" of its on/off comparison
+(what "on" costs is nearly all the two per-step events, JSON-encoded for the log and the message).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import resource
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -47,7 +56,8 @@ import torch
 
 from varuna.errors import ConfigError
 from varuna.schedule import releasing
-from varuna.telemetry.events import EventLog, decode, encode
+from varuna.telemetry import heartbeat as _heartbeat
+from varuna.telemetry.events import COMMAND_FIELDS, MAX_MESSAGE_BYTES, EventLog, Receiver, Sender, encode
 from varuna.telemetry.settings import SETTINGS, check_settings
 
 __all__ = ["Telemetry"]
@@ -90,7 +100,13 @@ class Telemetry:
         self._push: Any = None
         self._sub: Any = None
         self._key = b""
-        self._seq = 0
+        self._sender = Sender(f"rank{getattr(engine, 'rank', '')}")
+        self._commands: Receiver | None = None
+        self._reported_drops = 0
+        self._send_lock = threading.Lock()
+        self._beater: _heartbeat.Beater | None = None
+        self.action, self._action_since = "starting", time.time()
+        """What this rank does now, for its heartbeats."""
         self._offset = time.time() - time.perf_counter()
         self._last_spans = -float("inf")
         self.paused = False
@@ -147,12 +163,35 @@ class Telemetry:
             resumed_from=str(engine.resumed_from) if engine.resumed_from else None,
         )
         self.emit("ready")
+        self._set_action("idle")
+        interval = _heartbeat.heartbeat_interval()
+        if self._push is not None and interval > 0:
+            self._beater = _heartbeat.Beater(self._beat, interval)
+            atexit.register(self._last_beat)
         return self
+
+    def _set_action(self, action: str) -> None:
+        self.action, self._action_since = action, time.time()
+
+    def _beat(self) -> None:
+        try:
+            self._emit("heartbeat", {"host": socket.gethostname(), "action": self.action,
+                                     "action_since": self._action_since}, log=False)  # fmt: skip
+        except Exception:  # noqa: BLE001, S110 - a socket closed at exit must not print from a daemon thread
+            pass
+
+    def _last_beat(self) -> None:
+        """At interpreter exit: stop the beats and say "exited", so the controller expects no more."""
+        if self._beater is not None:
+            self._beater.stop()
+            self._set_action("exited")
+            self._beat()
 
     def _connect(self, events: str, commands: str | None, key_hex: str) -> None:
         import zmq  # only workers that report to a controller need it
 
         self._key = bytes.fromhex(key_hex)
+        self._commands = Receiver(self._key, COMMAND_FIELDS, "cmd")
         ctx: Any = zmq.Context.instance()
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, _HWM)
@@ -161,6 +200,7 @@ class Telemetry:
         if commands:
             self._sub = ctx.socket(zmq.SUB)
             self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_MESSAGE_BYTES)  # memory guard; Receiver counts
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
             self._sub.connect(commands)
 
@@ -172,6 +212,7 @@ class Telemetry:
         engine = self._engine
         step = engine.step_count + 1 if engine is not None else 0
         self._sampled = self._should_sample(step)
+        self._set_action(f"step {step - 1}")
         # `paused` as the step starts holds for the whole step (a `set` lands in the middle)
         self._recording = recording = self.enabled and not self.paused
         self._recorded += recording
@@ -189,10 +230,13 @@ class Telemetry:
             raise
         finally:
             self._run_end = time.perf_counter()
+            self._set_action(f"step {step - 1}: all-reduce")
 
     def on_send(self, kind: str, microbatch: int, nbytes: int) -> None:
         """Bytes of one send, for the span's `bytes` field."""
         self._send_bytes[(kind, microbatch)] = nbytes
+        if self._beater is not None:
+            self._set_action(f"{self.action.split(':')[0]}: sent {kind[-1]} mb {microbatch}")
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         """A saved-for-backward tensor: count its storage once unless it is a parameter's."""
@@ -211,11 +255,13 @@ class Telemetry:
 
     # sending -----------------------------------------------------------------------------------
     def emit(self, kind: str, **fields: Any) -> None:
-        """Stamp an event (type, rank, stage, replica, step, time, job, seq), log it, send it."""
+        """Stamp an event (type, rank, stage, replica, step, time, job, sender, seq), log it, send it."""
+        self._emit(kind, fields, log=True)
+
+    def _emit(self, kind: str, fields: dict[str, Any], *, log: bool) -> None:
         if not self.enabled:
             return
         engine = self._engine
-        self._seq += 1
         event = {
             "type": kind,
             "rank": engine.rank if engine else None,
@@ -225,18 +271,23 @@ class Telemetry:
             "time": time.time(),
             "job": self._job,
             "launch": self._launch,
-            "seq": self._seq,
             **fields,
         }
-        if self._log is not None:
-            self._log.write(event)
-        if self._push is not None:
-            import zmq
+        with self._send_lock:
+            self._sender.stamp(event)
+            if self._log is not None and log:
+                self._log.write(event)
+            if self._push is not None:
+                import zmq
 
-            try:
-                self._push.send_multipart(encode(self._key, event), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self.drops += 1
+                frames = encode(self._key, event)
+                if sum(map(len, frames)) > MAX_MESSAGE_BYTES:
+                    self.drops += 1  # the controller would refuse it; the log has it
+                    return
+                try:
+                    self._push.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    self.drops += 1
 
     def error(self, exc: BaseException) -> None:
         """An `error` event for an exception leaving the step."""
@@ -268,7 +319,7 @@ class Telemetry:
         engine = self._engine
         if engine is not None and engine.optimizer is not None and self._optim_hooked is not engine.optimizer:
             self._hook_optimizer(engine.optimizer)
-        if self._sub is None or engine is None:
+        if self._sub is None or engine is None or self._commands is None:
             return False
         import zmq
 
@@ -277,7 +328,7 @@ class Telemetry:
                 frames = self._sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            command = decode(self._key, frames)
+            command = self._commands.accept(frames)
             if command is None:
                 continue
             name = command.get("cmd")
@@ -287,6 +338,10 @@ class Telemetry:
                 self._checkpoint_wanted = True
             elif engine.rank == 0 and name == "stop":
                 engine.stop_request.set("controller")
+        dropped = sum(self._commands.dropped.values())
+        if dropped != self._reported_drops:
+            self._reported_drops = dropped
+            self.emit("commands_dropped", counts=dict(self._commands.dropped))
         return self._checkpoint_wanted
 
     def _apply_settings(self, command: dict[str, Any]) -> None:
@@ -314,6 +369,7 @@ class Telemetry:
         """The step's spans (when sampled) and its metrics and memory (always)."""
         if not self.enabled or self._engine is None:
             return
+        self._set_action(f"after step {self._engine.step_count - 1}")
         if not self._recording:
             self._optim.clear()
             self._send_bytes.clear()

@@ -11,9 +11,19 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["EventStore", "SpanRecord", "TimelineRow", "Timeline", "StepMetrics", "StageMemory", "RankRow"]
+__all__ = [
+    "EventStore",
+    "StoreViews",
+    "SpanRecord",
+    "TimelineRow",
+    "Timeline",
+    "StepMetrics",
+    "StageMemory",
+    "RankRow",
+]
 
 LIFECYCLE = ("hello", "ready", "checkpoint_done", "exit", "error")
 
@@ -346,3 +356,33 @@ class EventStore:
                 }
             )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+class StoreViews:
+    """The plain-data views of an `EventStore` (for the widgets), on anything that has one as `store`."""
+
+    store: EventStore
+
+    def timeline(self, last_steps: int = 3) -> Timeline:
+        """Spans of the last steps, one row per stage and replica."""
+        return self.store.timeline(last_steps)
+
+    def step_metrics(self) -> list[StepMetrics]:
+        """Loss, samples/s and bubble fraction per step."""
+        return self.store.step_metrics()
+
+    def memory(self) -> list[StageMemory]:
+        """The latest memory figures per stage."""
+        return self.store.memory()
+
+    def ranks(self) -> list[RankRow]:
+        """Rank, stage, replica, state, last heartbeat, host, pid."""
+        return self.store.ranks()
+
+    def export_chrome_trace(self, path: str | Path, last_steps: int | None = None) -> Path:
+        """Write a Chrome/Perfetto trace JSON of the recorded spans (with send -> recv arrows)."""
+        from varuna._files import write_json_atomic
+
+        path = Path(path)
+        write_json_atomic(path, self.store.chrome_trace(last_steps))  # a reader never sees half a trace
+        return path
