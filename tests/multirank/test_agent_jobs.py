@@ -1,7 +1,8 @@
 """A job outlives the process that started it: its agent (varuna/launch/agent.py) runs the launches.
 
 The process that calls `JobController.start` is SIGKILLed mid-run, as a crashing notebook kernel would
-be. The job goes on; a new `JobController.attach` resizes it to another shape, stops it and resumes it,
+be. The job goes on; a new `Workbench.attach` (over `JobController.attach`) resizes it to another shape, stops it and
+resumes it in a third,
 and the job finishes its steps with none lost and none run twice.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from _helpers import REPO, SCRIPTS
+from varuna_widgets import Workbench
 
 from varuna.controller import JobController
 from varuna.launch import agent
@@ -62,7 +64,7 @@ def test_the_job_outlives_its_starter_and_an_attach_steers_it(tmp_path: Path) ->
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", starter], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    ctl = None
+    ctl = wb = None
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         status = run_dir / "status" / "rank0.json"
@@ -73,37 +75,39 @@ def test_the_job_outlives_its_starter_and_an_attach_steers_it(tmp_path: Path) ->
         assert wait_for(lambda: console(run_dir).count("loss") > before + 2, 30)
         assert status.exists()
 
-        ctl = JobController.attach(run_dir)
-        assert ctl.state == "running", ctl.console.lines
+        wb = Workbench.attach(run_dir)  # a new kernel: the workbench over JobController.attach
+        ctl = wb.controller
+        assert ctl is not None and ctl.state == "running", ctl.console.lines
         first = ctl.job
         assert first is not None and (first.pipeline, first.data) == (2, 1)
         count = ctl.store.count
         assert wait_for(lambda: ctl.store.count > count + 2, 20), "no live events after the attach"
 
-        ctl.resize(pipeline=1, data=2)
+        wb.resize(1, 2)
         assert wait_for(lambda: ctl.job is not first and ctl.state == "running", 90), ctl.console.lines
         assert (ctl.job.pipeline, ctl.job.data) == (1, 2)
         resized_at = max(step_counts(run_dir))
         assert wait_for(lambda: max(step_counts(run_dir)) > resized_at + 1, 30)  # it trains in the new shape
-        assert ctl.stop(checkpoint=True, timeout=60) == "stopped"
+        assert wb.stop(timeout=60) == "stopped"
         stopped_at = max(step_counts(run_dir))
         assert stopped_at < STEPS - 1, "the job finished before it could be stopped; give it more steps"
 
-        assert ctl.resume() in ("starting", "running")
+        wb.p_input.value, wb.d_input.value = 2, 1  # the shape typed beside the buttons
+        assert wb.resume() in ("starting", "running")
         assert ctl.wait(120) == "finished", ctl.console.lines
         counts = step_counts(run_dir)
         assert sorted(counts) == list(range(STEPS)), sorted(counts)  # no step lost ...
         assert set(counts.values()) == {1}, {s: n for s, n in counts.items() if n != 1}  # ... none twice
         shapes = [(e["pipeline"], e["data"]) for e in ctl.store.events("job_start")]
-        assert shapes == [(2, 1), (1, 2), (1, 2)]
+        assert shapes == [(2, 1), (1, 2), (2, 1)]
         assert agent.read_state(run_dir)["state"] == "finished"
     finally:
         if proc.poll() is None:
             proc.kill()
-        if ctl is not None:
-            if ctl.state not in ("stopped", "failed", "finished"):
-                ctl.stop(checkpoint=False, timeout=30)
-            ctl.close()
+        if ctl is not None and ctl.state not in ("stopped", "failed", "finished"):
+            ctl.stop(checkpoint=False, timeout=30)
+        if wb is not None:
+            wb.close()
 
 
 @pytest.mark.timeout(60)

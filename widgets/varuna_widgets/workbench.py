@@ -104,9 +104,10 @@ class Workbench(_Drawing):
 
     @classmethod
     def attach(cls, run_dir: str | Path, **options: Any) -> Workbench:
-        """Reattach to a run directory (after a kernel restart): live when its job runs, else replay."""
+        """Reattach to a run directory (after a kernel restart) with full control: a running job is
+        steered live, a stopped or failed one can be resumed; a finished run is replayed."""
         ctl = JobController.attach(run_dir)
-        return cls(controller=ctl, replay=ctl.state in _TERMINAL, **options)
+        return cls(controller=ctl, replay=ctl.state == "finished", **options)
 
     def _button(self, label: str, icon: str, handler: Callable[[], Any], style: str = "") -> w.Button:
         button = w.Button(description=label, icon=icon, button_style=style, layout=w.Layout(width="auto"))
