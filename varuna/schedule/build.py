@@ -1,0 +1,48 @@
+"""From a schedule's name to the action lists: `make_schedule` (compute order) and `build_schedule`
+(lowered and validated: what the runtime executes and the simulator times)."""
+
+from __future__ import annotations
+
+from varuna.schedule.actions import Schedule, check_sizes
+from varuna.schedule.check import validate
+from varuna.schedule.orders import ScheduleName, schedule_spec
+from varuna.schedule.passes import add_recompute, lower, split_backwards
+
+__all__ = ["make_schedule", "build_schedule"]
+
+
+def build_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    recompute: bool | None = None,
+    split_backward: bool = True,
+) -> Schedule:
+    """The lowered, validated action lists the runtime executes and the simulator times (compute,
+    recompute, communication, all-reduce, split backward): the one place they are assembled."""
+    spec = schedule_spec(name)
+    lowered = lower(make_schedule(name, num_stages, num_microbatches, recompute=recompute))  # type: ignore[arg-type]
+    if split_backward and spec.split_backward:
+        lowered = split_backwards(lowered)
+    validate(lowered, num_stages, num_microbatches)
+    return lowered
+
+
+def make_schedule(
+    name: ScheduleName, num_stages: int, num_microbatches: int, *, recompute: bool | None = None
+) -> Schedule:
+    """Return each stage's compute order (F, B, R) for one step of schedule `name`.
+
+    `recompute=None` means the schedule's default (`ScheduleSpec.recompute`); when True, every
+    non-last stage recomputes micro-batch m (`R`) immediately before its backward `B`.
+
+        >>> [str(a) for a in make_schedule("1f1b", 2, 4)[0]]
+        ['0F0', '0F1', '0B0', '0F2', '0B1', '0F3', '0B2', '0B3']
+    """
+    spec = schedule_spec(name)
+    check_sizes(num_stages, num_microbatches)
+    schedule: Schedule = {s: spec.order(s, num_stages, num_microbatches) for s in range(num_stages)}
+    if recompute is None:
+        recompute = spec.recompute
+    return add_recompute(schedule, range(num_stages - 1)) if recompute else schedule

@@ -1,0 +1,137 @@
+"""Passes over schedules: recompute, communication, the all-reduce, the split backward, lowering."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from varuna.errors import ScheduleError
+from varuna.schedule.actions import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    WEIGHT_KIND,
+    Action,
+    Schedule,
+    Span,
+    format_grid,
+)
+
+__all__ = [
+    "add_recompute",
+    "add_communication",
+    "add_allreduce",
+    "split_backwards",
+    "releasing",
+    "lower",
+    "compute_actions",
+]
+
+
+def _stage_count(schedule: Schedule, what: str) -> int:
+    if sorted(schedule) != list(range(len(schedule))):
+        raise ScheduleError(
+            f"{what}: stages must be numbered 0..P-1, got keys {sorted(schedule)}\n{format_grid(schedule)}"
+        )
+    return len(schedule)
+
+
+def add_recompute(schedule: Schedule, stages: Iterable[int]) -> Schedule:
+    """Insert R(m) just before each B(m) (before its RECV_B in lowered form) on `stages`; a new Schedule."""
+    chosen = set(stages)
+    unknown = sorted(chosen - set(schedule))
+    if unknown:
+        raise ScheduleError(
+            f"add_recompute: stages {unknown} are not in the schedule (it has {sorted(schedule)})"
+        )
+    result: Schedule = {}
+    for s, actions in schedule.items():
+        done = {a.microbatch for a in actions if a.kind == "R"}
+        out: list[Action] = []
+        for a in actions:
+            if s in chosen and a.kind == "B" and a.microbatch not in done:
+                at = len(out) - 1 if out and out[-1] == Action(s, "RECV_B", a.microbatch) else len(out)
+                out.insert(at, Action(s, "R", a.microbatch))
+            out.append(a)
+        result[s] = out
+    return result
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Lower a compute-only schedule: RECV_F/SEND_F around each F and RECV_B/SEND_B around each B."""
+    last = _stage_count(schedule, "add_communication") - 1
+    result: Schedule = {}
+    for s, actions in schedule.items():
+        out: list[Action] = []
+        for a in actions:
+            if a.kind in COMM_KINDS:
+                raise ScheduleError(
+                    f"add_communication expects a compute-only schedule, but stage {s} already has {a}; "
+                    f"lower a schedule once (pass it through compute_actions first to re-lower)"
+                )
+            if a.kind == "F" and s > 0:
+                out.append(Action(s, "RECV_F", a.microbatch))
+            if a.kind == "B" and s < last:
+                out.append(Action(s, "RECV_B", a.microbatch))
+            out.append(a)
+            if a.kind == "F" and s < last:
+                out.append(Action(s, "SEND_F", a.microbatch))
+            if a.kind == "B" and s > 0:
+                out.append(Action(s, "SEND_B", a.microbatch))
+        result[s] = out
+    return result
+
+
+def add_allreduce(schedule: Schedule) -> Schedule:
+    """Append each stage's data-parallel gradient all-reduce, `Action(s, "ALLREDUCE", None)`."""
+    for s, actions in schedule.items():
+        if any(a.kind == "ALLREDUCE" for a in actions):
+            raise ScheduleError(f"add_allreduce: stage {s} already ends with an all-reduce; add it once")
+    return {s: [*actions, Action(s, "ALLREDUCE", None)] for s, actions in schedule.items()}
+
+
+def split_backwards(schedule: Schedule) -> Schedule:
+    """Give the first and the last backward of each stage after the first a separate weight half
+    `W m`, right after its SEND_B: B(m) then computes only the gradient of the stage's input,
+    SEND_B(m) sends it, and W(m) computes the weight gradients. A lowered schedule in, a new one out.
+
+    The previous stage waits for that input gradient at both ends of the step: in GPipe it starts
+    its backwards on the first one, and in every schedule the drain is a chain in which each stage
+    waits for the next one's last. The weight half waits for nobody, so it leaves the critical path
+    there. Only these two are split: the split costs a little (a second pass over part of the
+    graph), and a W right after its SEND_B holds no activation longer than the plain backward.
+
+        >>> [str(a) for a in split_backwards(lower(make_schedule("1f1b", 2, 3)))[1]]
+        ['1RECV_F0', '1F0', '1B0', '1SEND_B0', '1W0', '1RECV_F1', '1F1', '1B1', '1SEND_B1', '1RECV_F2', '1F2', '1B2', '1SEND_B2', '1W2', '1ALLREDUCE']
+    """
+    result: Schedule = {}
+    for s, actions in schedule.items():
+        if any(a.kind == WEIGHT_KIND for a in actions):
+            raise ScheduleError(f"split_backwards: stage {s} already has W actions; split a schedule once")
+        backwards = [a.microbatch for a in actions if a.kind == "B"]
+        if s > 0 and backwards and not any(a.kind == "SEND_B" for a in actions):
+            raise ScheduleError("split_backwards expects a lowered schedule (pass it through lower first)")
+        ends = {backwards[0], backwards[-1]} if s > 0 and backwards else set()
+        out: list[Action] = []
+        for a in actions:
+            out.append(a)
+            if a.kind == "SEND_B" and a.microbatch in ends:
+                out.append(Action(s, WEIGHT_KIND, a.microbatch))
+        result[s] = out
+    return result
+
+
+def releasing(spans: Iterable[Span]) -> set[tuple[str, int | None]]:
+    """(kind, micro-batch) of the spans of one stage after which a micro-batch's saved activations
+    are gone: its B, or its W where `split_backwards` split that backward."""
+    spans = list(spans)
+    split = {sp.microbatch for sp in spans if sp.kind == WEIGHT_KIND}
+    return {(WEIGHT_KIND if sp.microbatch in split else "B", sp.microbatch) for sp in spans if sp.kind == "B"}
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """Return the schedule the runtime executes: `add_allreduce(add_communication(schedule))`."""
+    return add_allreduce(add_communication(schedule))
+
+
+def compute_actions(actions: list[Action]) -> list[Action]:
+    """Keep only the compute actions (F, B, R) of one stage's list."""
+    return [a for a in actions if a.kind in COMPUTE_KINDS]
