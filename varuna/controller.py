@@ -10,7 +10,7 @@
     ctl.silent_ranks()              # ranks not heard from for silent_after_s (default 10 s): host, last action
 
 The job does not live in this process: `start` hands it to its own supervisor process
-(`varuna.launch.agent`), which runs mpiexec in a session of its own and relaunches after morphs, so a
+(`varuna.elastic.agent`), which runs mpiexec in a session of its own and relaunches after morphs, so a
 kernel that crashes or restarts takes nothing with it. This process talks to the agent through files in
 the run directory (the agent's state and notes; the intents it writes) and to the ranks over ZeroMQ:
 they PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for commands (bound
@@ -31,11 +31,11 @@ from typing import Any, Literal
 
 import zmq
 
+from varuna.elastic import agent as _agent
 from varuna.elastic.protocol import MORPH_EXIT, live_workers, request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
 from varuna.elastic.supervisor import USER_STOP
 from varuna.errors import ConfigError, LaunchError
-from varuna.launch import agent as _agent
 from varuna.launch.job import Job
 from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
 from varuna.launch.pids import check_status

@@ -1,4 +1,4 @@
-"""A job outlives the process that started it: its agent (varuna/launch/agent.py) runs the launches.
+"""A job outlives the process that started it: its agent (varuna/elastic/agent.py) runs the launches.
 
 The process that calls `JobController.start` is SIGKILLed mid-run, as a crashing notebook kernel would
 be. The job goes on; a new `Workbench.attach` (over `JobController.attach`) resizes it to another shape, stops it and
@@ -22,7 +22,7 @@ from _helpers import REPO, SCRIPTS
 from varuna_widgets import Workbench
 
 from varuna.controller import JobController
-from varuna.launch import agent
+from varuna.elastic import agent
 from varuna.telemetry.events import read_events
 
 pytestmark = pytest.mark.multirank

@@ -9,7 +9,7 @@
                                                                               checkpoints/latest
 
 The user's script holds no signal handler: the engine installs one. Before the engine exists the
-worker holds one for SIGUSR1 (`remember_early_stops`), so a `varuna resize` that lands while the
+worker holds one for SIGUSR1 (`varuna.launch.signals.remember_early_stops`), so a `varuna resize` that lands while the
 script still imports or loads data is kept and honoured at the end of the engine's first step, rather
 than killing the rank (SIGUSR1's default). SIGTERM keeps its default until then: a job stopped
 during start-up stops at once. Only a process whose status file matches it on this host (pid, start
@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from varuna._files import write_json_atomic
 from varuna.errors import ConfigError
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.pids import Verdict, check_status
+from varuna.launch.signals import StopRequest, remember_early_stops
 
 __all__ = [
     "MORPH_EXIT",
@@ -42,58 +42,6 @@ __all__ = [
     "worker_verdicts",
     "remember_early_stops",
 ]
-
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-
-class StopRequest:
-    """Set by a signal or a call; read by the engine at the end of every step."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    def __bool__(self) -> bool:
-        return self.reason is not None
-
-    def set(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-
-    def install(self) -> bool:
-        """Handle SIGUSR1 and SIGTERM by setting the request (main thread only; else a no-op).
-
-        A SIGUSR1 that arrived before (see `remember_early_stops`) sets the request now, with a log line.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, lambda signum, _frame: self.set(signal.Signals(signum).name))
-        if _EARLY:
-            self.set(f"{_EARLY.reason} before the engine existed")
-            print(
-                f"varuna: a stop request ({_EARLY.reason}) arrived before Varuna() existed; "
-                "honouring it at the end of the first step",
-                file=sys.stderr,
-                flush=True,
-            )
-            _EARLY.reason = None
-        return True
-
-
-_EARLY = StopRequest()
-"""SIGUSR1s received before any engine installed its handler (the worker's start-up)."""
-
-
-def remember_early_stops() -> bool:
-    """Until an engine installs its handler, keep SIGUSR1 (a morph request) instead of dying of it.
-
-    The worker calls this first thing (main thread only; else a no-op, False). The handler only
-    records: printing from a signal handler could deadlock on the line tee's lock.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    signal.signal(signal.SIGUSR1, lambda signum, _frame: _EARLY.set(signal.Signals(signum).name))
-    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ What it guarantees, so that the launcher can report which rank failed and why:
   after the job ended was killed, and its pid is never signalled once another process has it.
 - ``RUN_DIR/failures/rank{r}.json`` when the script raised: type, message, full traceback.
 - A SIGUSR1 (a morph request) before the script builds its `Varuna` is kept and honoured once the
-  engine exists (`varuna.elastic.protocol.remember_early_stops`) instead of killing the rank.
+  engine exists (`varuna.launch.signals.remember_early_stops`) instead of killing the rank.
 - A failing rank leaves with ``os._exit`` without finalising MPI, which makes the process manager
   kill every other rank at once, even ranks blocked in a gloo collective. A clean rank finalises MPI
   first (a sleeping wait for the others), so it never takes the job down.
@@ -34,9 +34,9 @@ from typing import Any, TextIO
 
 from varuna._files import write_json_atomic
 from varuna.comm.rendezvous import env_rank, finalize_mpi, init_distributed, launch_env, placement, shutdown
-from varuna.elastic.protocol import remember_early_stops
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.pids import identity
+from varuna.launch.signals import remember_early_stops
 
 __all__ = ["LineTee", "main"]
 

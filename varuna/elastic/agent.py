@@ -1,7 +1,7 @@
 """A job's own supervisor process: the job outlives the notebook that started it.
 
 A notebook kernel can crash or be restarted at any time. So `JobController.start` does not run
-``mpiexec`` itself: it starts this agent (``python -m varuna.launch.agent RUN_DIR``) in a session of
+``mpiexec`` itself: it starts this agent (``python -m varuna.elastic.agent RUN_DIR``) in a session of
 its own, with its output in ``RUN_DIR/logs/agent.log``, and the agent runs the launches, in the spirit
 of TorchElastic's agent::
 
@@ -45,7 +45,6 @@ from varuna.errors import LaunchError
 from varuna.launch.job import Job
 from varuna.launch.launches import Launch, post_mortem
 from varuna.launch.pids import identity
-from varuna.telemetry import events as _events
 
 __all__ = ["AGENT_DIR", "SPEC", "STATE", "INTENT", "NOTES", "read_state", "write_intent", "spawn", "main"]
 
@@ -107,7 +106,8 @@ class Agent:
         self.error: str | None = None
         self._intent_seq = int(previous.get("intent_seq") or 0)
         self.intent: str | None = None
-        self._notes = _events.EventLog(run_dir / NOTES)
+        self._notes = run_dir / NOTES
+        self._notes.parent.mkdir(parents=True, exist_ok=True)
 
     # files -------------------------------------------------------------------------------------
     def write(self) -> None:
@@ -127,7 +127,8 @@ class Agent:
         """A lifecycle event of the agent's own (job_start, exit, job_end, restart), logged for the
         controller to tail and for a later attach to replay."""
         event = {"type": kind, "rank": None, "time": time.time(), "job": job, "id": uuid.uuid4().hex}
-        self._notes.write({**event, **fields})
+        with open(self._notes, "a", encoding="utf-8") as log:  # the format of varuna.telemetry.events logs
+            log.write(json.dumps({**event, **fields}, separators=(",", ":"), default=str) + "\n")
 
     def read_intent(self) -> str | None:
         """The newest intent the controller wrote that this agent has not consumed yet."""
@@ -223,16 +224,16 @@ def spawn(run_dir: Path, spec: dict[str, Any], key: str) -> subprocess.Popen[byt
     }
     with open(run_dir / "logs" / "agent.log", "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "varuna.launch.agent", str(run_dir)], env=env, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "varuna.elastic.agent", str(run_dir)], env=env, stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir),
         )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m varuna.launch.agent RUN_DIR``: run the job that ``RUN_DIR/agent/spec.json`` describes."""
+    """``python -m varuna.elastic.agent RUN_DIR``: run the job that ``RUN_DIR/agent/spec.json`` describes."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m varuna.launch.agent RUN_DIR", file=sys.stderr)
+        print("usage: python -m varuna.elastic.agent RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(args[0]).absolute()
     try:
