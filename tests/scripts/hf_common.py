@@ -124,7 +124,7 @@ def reference(
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-SCHEDULES = ("gpipe", "1f1b", "varuna")
+SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1")
 # world size -> the P x D shapes its job trains; model i at shape j uses schedule (i + j) % 3, so
 # every model runs every schedule once.
 CONFIGS: dict[int, list[tuple[int, int]]] = {2: [(2, 1)], 4: [(2, 2), (4, 1)]}

@@ -59,8 +59,9 @@ def _check_stage(schedule: Schedule, s: int, actions: list[Action], num_microbat
             raise _fail(
                 schedule, (s, i), f"{a} has micro-batch {a.microbatch}, expected 0..{num_microbatches - 1}"
             )
-        if a.kind == WEIGHT_KIND:
-            sent = Action(s, "SEND_B", a.microbatch)
+        if a.kind == WEIGHT_KIND:  # after its input half: its SEND_B once lowered, its B before
+            lowered = any(b.kind in COMM_KINDS for b in actions)
+            sent = Action(s, "SEND_B" if lowered else "B", a.microbatch)
             if s == 0 or sent not in actions[:i] or a in actions[:i]:
                 raise _fail(
                     schedule,

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from varuna.errors import ScheduleError
-from varuna.schedule.actions import Action, check_sizes
+from varuna.schedule.actions import WEIGHT_KIND, Action, check_sizes
 
 __all__ = ["ScheduleSpec", "SCHEDULES", "ScheduleName", "schedule_spec", "bubble_fraction"]
 
-ScheduleName = Literal["gpipe", "1f1b", "varuna"]
+ScheduleName = Literal["gpipe", "1f1b", "varuna", "zb-h1"]
 
 
 def _gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -29,6 +29,41 @@ def _one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Act
     return actions
 
 
+def _zb_h1(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """ZB-H1 ("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024): every backward in two halves,
+    B (the input gradient, which the previous stage waits for) and W (the weight gradients, which
+    nobody waits for). Tick x of stage s runs F x, B x-(P-1-s) and W x-(P-1), each where it exists:
+
+        P=3, M=4  stage 0 | F0 F1 F2 B0 F3 B1 B2 B3                  (whole backwards: nobody waits on them)
+                  stage 1 | F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3
+                  stage 2 | F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
+
+    The forwards and backwards are 1F1B's, so no stage holds more than P micro-batches' activations
+    (stage 0's 1F1B peak); the W that trail a stage's last B fill the drain, where 1F1B's stages wait
+    on each other's backwards. With F, B and W equally long its bubble is a third of 1F1B's."""
+    warmup = num_stages - 1 - stage
+    actions: list[Action] = []
+    for x in range(num_microbatches + num_stages - 1):
+        if x < num_microbatches:
+            actions.append(Action(stage, "F", x))
+        if 0 <= x - warmup < num_microbatches:
+            actions.append(Action(stage, "B", x - warmup))
+        if stage > 0 and 0 <= x - (num_stages - 1) < num_microbatches:
+            actions.append(Action(stage, WEIGHT_KIND, x - (num_stages - 1)))
+    return actions
+
+
+def _bubble_1f1b(num_stages: int, num_microbatches: int) -> float:
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def _bubble_zb_h1(num_stages: int, num_microbatches: int) -> float:
+    # A stage works M(F+B+W) = 3M units. With M >= P-1 the drain costs P-1 units instead of 1F1B's
+    # 3(P-1); with fewer micro-batches the chain F...F B...B (stage 0's B whole) is longer.
+    p, m = num_stages, num_microbatches
+    return 1 - 3 * m / max(3 * m + p - 1, 2 * (m + p) - 1)
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduleSpec:
     """What a schedule is. The engine, the runtime, the simulator, the planner and morphing read
@@ -36,14 +71,19 @@ class ScheduleSpec:
     and its order function."""
 
     order: Callable[[int, int, int], list[Action]]
-    """(stage, P, M) -> that stage's forwards and backwards in order."""
+    """(stage, P, M) -> that stage's forwards and backwards in order (and weight halves W, where the
+    schedule places them itself)."""
     recompute: bool = False
     """Non-last stages recompute each micro-batch just before its backward (`recompute=None`)."""
     pull_ahead: bool = False
     """The runtime (and the simulator) pulls the next forward ahead while a gradient is late."""
     split_backward: bool = True
-    """Stages after the first may compute their first and last backward in two halves (B, then W);
-    the engine's `split_backward` option turns it off for every schedule."""
+    """Stages after the first may compute their first and last backward in two halves (B, then W;
+    `varuna.schedule.split_backwards`); the engine's `split_backward` option turns it off. False for a
+    schedule whose order places every W itself."""
+    bubble: Callable[[int, int], float] = _bubble_1f1b
+    """(P, M) -> the idle share of a step in theory: uniform stages, no communication, F = B = W
+    (a B is then 2 units, or B and W one each where split)."""
     chunks_per_rank: int = 1
     """Model chunks a rank holds (virtual stages); 1 for every schedule so far."""
     about: str = ""
@@ -61,6 +101,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         pull_ahead=True,
         about="1F1B that recomputes activations just in time and pulls forwards into its bubbles",
     ),
+    "zb-h1": ScheduleSpec(
+        order=_zb_h1,
+        split_backward=False,
+        bubble=_bubble_zb_h1,
+        about="ZB-H1: every backward split into B and W, the W filling the drain; 1F1B's peak memory",
+    ),
 }
 """Every schedule by name."""
 
@@ -74,12 +120,13 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 def bubble_fraction(name: ScheduleName, num_stages: int, num_microbatches: int) -> float:
-    """Theoretical idle fraction of a step, (P-1)/(M+P-1), the same for gpipe, 1f1b and varuna.
+    """Theoretical idle fraction of a step (`ScheduleSpec.bubble`): (P-1)/(M+P-1) for gpipe, 1f1b and
+    varuna; for zb-h1 (P-1)/(3M+P-1) once M >= P-1.
 
-    Assumes uniform stage costs and zero communication. Forward and backward time are both counted:
-    each stage works M*(f+b) in a step of (M+P-1)*(f+b). The schedules differ in memory, not in
-    this bubble; recompute's extra forward is left out (the planner's simulator times it).
+    Assumes uniform stage costs, zero communication and F = B = W: each stage works M*(f+b) in a step
+    of (M+P-1)*(f+b) under 1F1B. GPipe, 1F1B and Varuna's differ in memory, not in this bubble;
+    recompute's extra forward is left out (the planner's simulator times it).
     """
-    schedule_spec(name)
+    spec = schedule_spec(name)
     check_sizes(num_stages, num_microbatches)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    return spec.bubble(num_stages, num_microbatches)
