@@ -150,7 +150,9 @@ def full_disk(tmp: Path) -> Result:
     eng.step(eng.batch(data, 2))
     cio.Writer.write_data = write_to_full_disk  # type: ignore[method-assign]
     try:
-        ok, seen = raises(eng.checkpoint, CheckpointError, r"No space left on device \(ENOSPC\).*not committed")
+        ok, seen = raises(
+            eng.checkpoint, CheckpointError, r"No space left on device \(ENOSPC\).*not committed"
+        )
     finally:
         cio.Writer.write_data = real_write  # type: ignore[method-assign]
         eng.close()

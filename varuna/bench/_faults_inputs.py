@@ -27,7 +27,9 @@ def varuna_with(**kw: Any) -> Callable[[Path], Result]:
         from varuna.models import GPT, gpt_tiny
 
         model = GPT(gpt_tiny())
-        return raises(lambda: Varuna(model, global_batch_size=4, micro_batch_size=2, **kw), ConfigError, pattern)
+        return raises(
+            lambda: Varuna(model, global_batch_size=4, micro_batch_size=2, **kw), ConfigError, pattern
+        )
 
     return case
 

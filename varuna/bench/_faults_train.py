@@ -22,6 +22,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 
 def listening_on(port: int) -> list[str]:
@@ -41,7 +42,7 @@ def listening_on(port: int) -> list[str]:
 def store_report(path: Path) -> None:
     import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store()
+    store: Any = dist.distributed_c10d._get_default_store()
     while hasattr(store, "underlying_store"):  # PrefixStore -> TCPStore
         store = store.underlying_store
     port = int(store.port)

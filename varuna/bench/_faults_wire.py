@@ -15,7 +15,9 @@ from typing import Any
 from varuna.bench._faults_case import Case, Result, cli, wait_for
 
 
-def channel_attack(attack: Callable[[bytes, Any], list[list[bytes]]], reason: str) -> Callable[[Path], Result]:
+def channel_attack(
+    attack: Callable[[bytes, Any], list[list[bytes]]], reason: str
+) -> Callable[[Path], Result]:
     """Push the frames `attack(key, sender)` returns, then one good message, to a real Channel: ok when
     exactly one message was dropped, for `reason`, and the good message still arrived."""
 
@@ -28,7 +30,7 @@ def channel_attack(attack: Callable[[bytes, Any], list[list[bytes]]], reason: st
         key = ev.new_key()
         got: list[dict[str, Any]] = []
         channel = Channel(tmp, key, got.append)
-        push = zmq.Context.instance().socket(zmq.PUSH)
+        push: Any = zmq.Context.instance().socket(zmq.PUSH)
         try:
             push.connect(channel.events_address)
             sender = ev.Sender("rank0")
@@ -76,7 +78,9 @@ def _bad_signature(key: bytes, sender: Any) -> list[list[bytes]]:
 def _stale(key: bytes, sender: Any) -> list[list[bytes]]:
     from varuna.telemetry import events as ev
 
-    return [ev.encode(key, sender.stamp({"type": "hello", "rank": 0, "time": time.time() - 2 * ev.MAX_AGE_S}))]
+    return [
+        ev.encode(key, sender.stamp({"type": "hello", "rank": 0, "time": time.time() - 2 * ev.MAX_AGE_S}))
+    ]
 
 
 def controller_json_private(tmp: Path) -> Result:
@@ -102,7 +106,13 @@ def stale_status_not_signalled(tmp: Path) -> Result:
         run = tmp / "run"
         (run / "status").mkdir(parents=True)
         (run / "job.json").write_text("{}")
-        status = {"rank": 0, "state": "running", **identity(), "pid": sleeper.pid, "start_ticks": start_ticks(os.getpid())}
+        status = {
+            "rank": 0,
+            "state": "running",
+            **identity(),
+            "pid": sleeper.pid,
+            "start_ticks": start_ticks(os.getpid()),
+        }
         (run / "status" / "rank0.json").write_text(json.dumps(status))
         done = cli("resize", str(run), "-p", "1", "-d", "1")
         time.sleep(0.2)
@@ -110,7 +120,9 @@ def stale_status_not_signalled(tmp: Path) -> Result:
     finally:
         sleeper.kill()
         sleeper.wait()
-    said = next((ln for ln in done.stderr.splitlines() if "another process now" in ln), done.stderr.strip()[:160])
+    said = next(
+        (ln for ln in done.stderr.splitlines() if "another process now" in ln), done.stderr.strip()[:160]
+    )
     ok = done.returncode == 0 and alive and "stale status" in said
     return ok, f"exit {done.returncode}; unrelated pid {'alive' if alive else 'SIGNALLED'}; {said.strip()}"
 

@@ -75,7 +75,9 @@ def main(args: argparse.Namespace) -> int:
     start = time.monotonic()
     chosen = select(all_cases(), quick=args.quick, only=getattr(args, "only", None))
     if not chosen:
-        raise ConfigError(f"--only {args.only!r} matches no case; see `python -m varuna.bench faults` for names")
+        raise ConfigError(
+            f"--only {args.only!r} matches no case; see `python -m varuna.bench faults` for names"
+        )
     log(f"{len(chosen)} cases{' (quick: no multi-rank jobs)' if args.quick else ''}")
     rows = run_cases(chosen)
     report = {"bench": "faults", "quick": bool(args.quick), "cases": rows,
