@@ -15,6 +15,8 @@ Like every bench it reports and never gates: the exit status is 0 even when a ca
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +62,20 @@ def run_cases(cases: list[Case]) -> list[dict[str, Any]]:
     return rows
 
 
+def _stdout_to_stderr(run: Any, *args: Any) -> Any:
+    """Run with file descriptor 1 pointing at stderr: the engine and the libraries under test print,
+    and stdout must carry the report alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        return run(*args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     width = max((len(r["name"]) for r in rows), default=4)
     lines = [f"{'':4} {'case':{width}}  {'kind':9}  observed"]
@@ -79,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
             f"--only {args.only!r} matches no case; see `python -m varuna.bench faults` for names"
         )
     log(f"{len(chosen)} cases{' (quick: no multi-rank jobs)' if args.quick else ''}")
-    rows = run_cases(chosen)
+    rows = _stdout_to_stderr(run_cases, chosen)
     report = {"bench": "faults", "quick": bool(args.quick), "cases": rows,
               "passed": sum(r["ok"] for r in rows), "total": len(rows),
               "wall_s": round(time.monotonic() - start, 1)}  # fmt: skip
