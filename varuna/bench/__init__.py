@@ -2,7 +2,7 @@
 
     python -m varuna.bench pipeline --json     # Varuna's schedules vs torch.distributed.pipelining
 
-Each subcommand lives in its own module (`pipeline`, `morph`, `telemetry`, `planner`; see `__main__`) and
+Each subcommand lives in its own module (`pipeline`, `morph`, `telemetry`, `planner`, `standin`, `faults`; see `__main__`) and
 starts its measured jobs as separate processes, so importing this package costs nothing.
 """
 

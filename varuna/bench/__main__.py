@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin | faults) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -43,8 +43,20 @@ BENCHES = {
         "gap between the predicted-best and the measured-best configuration.",
         "tiny model, one round: a smoke run",
     ),
+    "faults": (
+        "faults, attacks and bad inputs against the real library: each must hold",
+        "Forged checkpoints, signed-message attacks, leaked keys, killed and stopped processes, full "
+        "disks and bad inputs, each provoked for real (engine in-process, the CLI, multi-rank jobs) with "
+        "what was expected and what was observed.",
+        "skip the cases that need multi-rank jobs",
+    ),
 }
 """name -> (one-line help, description, what --quick does); each lives in `varuna.bench.<name>`."""
+
+EXTRA_OPTIONS: dict[str, list[tuple[str, dict[str, str]]]] = {
+    "faults": [("--only", {"metavar": "SUBSTRING", "help": "run only the cases whose name holds SUBSTRING"})],
+}
+"""name -> further options of that benchmark: (flag, argparse keywords)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--json", action="store_true", help="print one JSON object on stdout (table to stderr)"
         )
         bench.add_argument("--quick", action="store_true", help=quick)
+        for flag, kw in EXTRA_OPTIONS.get(name, []):
+            bench.add_argument(flag, **kw)  # type: ignore[arg-type]
     return parser
 
 
