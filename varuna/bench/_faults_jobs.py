@@ -180,6 +180,7 @@ def live_controller_drops_forgeries(tmp: Path) -> Result:
 def stopped_rank_is_silent(tmp: Path) -> Result:
     ctl = JOBS.shared()
     pid = {r.rank: r.pid for r in ctl.ranks()}[1]
+    wait_for(lambda: ctl.liveness.actions().get(1) is not None, 10)  # its first heartbeat is in
     ctl.liveness.silent_after_s = 2.0
     try:
         os.kill(pid, signal.SIGSTOP)
@@ -259,7 +260,7 @@ def starter_dies(tmp: Path) -> Result:
 
 
 def agent_dies(tmp: Path) -> Result:
-    from varuna.launch import agent
+    from varuna.elastic import agent
 
     starter_dies(tmp)
     assert JOBS._starter is not None
