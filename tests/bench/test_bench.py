@@ -29,12 +29,15 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
 
     seen = {(r["system"], r["schedule"]) for r in report["results"]}
     assert ("single", None) in seen
-    assert {("varuna", s) for s in ("gpipe", "1f1b", "varuna")} <= seen
-    assert {("torch.pipelining", s) for s in ("gpipe", "1f1b")} <= seen
+    assert {("varuna", s) for s in ("gpipe", "1f1b", "varuna", "zb-h1")} <= seen
+    assert {("torch.pipelining", s) for s in ("gpipe", "1f1b", "zb-h1")} <= seen
     for r in report["results"]:
         assert {"pipeline", "microbatches", "samples_per_s"} <= set(r)
         assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"])
         assert r["pipeline"] == (1 if r["system"] == "single" else r["pipeline"])
+        if r["system"] != "single":  # every rank measured its step's peak memory (Linux)
+            peaks = r["step_peak_bytes_per_stage"]
+            assert len(peaks) == r["pipeline"] and all(isinstance(b, int) and b > 0 for b in peaks)
     # Same seed, same batch: every system's first loss is the same number (a correctness check, not a timing).
     assert report["model"]["first_loss_spread"] < 1e-4
 
@@ -43,7 +46,7 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
     steps = report["model"]["paired_steps"]
     for r in report["results"]:
         if r["system"] == "single":
-            assert r["paired_with"] in ("gpipe", "1f1b") and len(r["step_s"]) == steps
+            assert r["paired_with"] in ("gpipe", "1f1b", "zb-h1") and len(r["step_s"]) == steps
             continue
         assert len(r["step_s"]) == steps
         assert r["boundaries"] == report["results"][0]["boundaries"]  # both systems, every schedule

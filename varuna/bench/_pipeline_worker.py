@@ -13,10 +13,12 @@ lines the ranks up to the end of the optimizer step; its time is the slowest ran
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,31 @@ class _Clock:
     def stop(self) -> None:
         self.wall.append(time.perf_counter() - self._t)
         self.cpu.append(time.process_time() - self._c)
+
+
+def _step_peak_bytes(step: Callable[[], object]) -> int | None:
+    """How far this process's resident memory rose above where it started during `step()`: its
+    activations, gradients and buffers at their peak (Linux: VmHWM reset through clear_refs, after
+    freed memory went back to the system). The same measure for every system; None off Linux."""
+    import ctypes
+    import gc
+
+    def status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise OSError(field)
+
+    try:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+        base = status("VmRSS")
+    except OSError:
+        step()
+        return None
+    step()
+    return max(status("VmHWM") - base, 0)
 
 
 def _summary(step_s: list[float], cpu_s: list[list[float]], spec: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +241,12 @@ class _TorchRunner:
 
     def __init__(self, spec: dict[str, Any], name: str) -> None:
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleavedZeroBubble,
+        )
 
         self.rank, P = dist.get_rank(), dist.get_world_size()
         if P != spec["pipeline"]:
@@ -230,8 +262,12 @@ class _TorchRunner:
         del gpt
         stage = PipelineStage(self.module, self.rank, P, torch.device("cpu"))
         M = spec["global_batch_size"] // spec["micro_batch_size"]
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-        self.schedule = kind(stage, n_microbatches=M, loss_fn=_lm_loss)
+        self.schedule: Any
+        if name == "zb-h1":  # torch's ZB1P (ZB-H1) is its interleaved zero-bubble schedule on one stage
+            self.schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=M, loss_fn=_lm_loss)
+        else:
+            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+            self.schedule = kind(stage, n_microbatches=M, loss_fn=_lm_loss)
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
 
     def step(self, batch: dict[str, Tensor]) -> float | None:
@@ -307,6 +343,10 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 clocks[system].start()
                 losses[system].append(systems[system].step(batch))
                 clocks[system].stop()
+        peaks = {}
+        for system in names:  # one more step each, untimed: the memory it needs at its peak
+            dist.barrier()
+            peaks[system] = _step_peak_bytes(functools.partial(systems[system].step, batches[0]))
         mine = {k: {"step_s": c.wall, "cpu_s": c.cpu, "losses": losses[k]} for k, c in clocks.items()}
         fractions = {}
         if engine is not None:
@@ -317,7 +357,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "comm": sum(h["comm_s"] for h in timed) / total,
             }
             engine.close()
-        every = _gather({"systems": mine, "fractions": fractions})
+        every = _gather({"systems": mine, "fractions": fractions, "peaks": peaks})
         slowest = {
             k: [max(r["systems"][k]["step_s"][i] for r in every) for i in range(len(batches))] for k in names
         }
@@ -338,6 +378,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "microbatches": M,
                 **_summary(slowest[system], [r["systems"][system]["cpu_s"] for r in every], spec),
                 "boundaries": spec["boundaries"],
+                "step_peak_bytes_per_stage": [r["peaks"][system] for r in every],
             }
             if system == "varuna":
                 record["idle_fraction_per_stage"] = [round(r["fractions"]["idle"], 4) for r in every]

@@ -10,7 +10,8 @@ with AdamW and one torch thread per rank:
                        accumulates gradients (same micro-batch size as the pipelines, so the same
                        kernels on the same shapes), then one optimizer step: the per-rank ideal.
     varuna             `Varuna(...)` with each schedule, at each P, D = 1, partition "balanced".
-    torch.pipelining   `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` on per-stage modules cut
+    torch.pipelining   `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleavedZeroBubble`
+                       (with one stage per rank: ZB1P, the ZB-H1 of zb-h1) on per-stage modules cut
                        from the same GPT at the same boundaries Varuna chose (the bench GPT has a
                        CutPoint inside every block too, so a boundary may split a block between its
                        attention and its MLP; both systems then split it there). The last stage's
@@ -29,6 +30,11 @@ comparison the targets are about) the one-process baseline runs in the same roun
 the other ranks waiting), so each pipeline's share of its ideal is measured against the host as
 it was at that time (`paired.of_bubble_ideal`). Varuna's own schedule, which torch.pipelining
 lacks, runs after the paired ones in the same job, unpaired.
+
+After each schedule's timed steps every system runs one more, untimed, in which each rank measures
+how far its resident memory rises above where the step began (`step_peak_bytes_per_stage`: the
+activations, gradients and buffers the step needs at its peak, after freed memory went back to the
+system; the same measure for both systems).
 
 `ratios` compares like with like at each P: varuna / torch.pipelining for the same schedule, and
 each pipeline's samples/s over its bubble-limited ideal M / (M + P - 1) * P * single. A P larger
@@ -60,8 +66,8 @@ __all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "format_ta
 
 _ROOT = Path(__file__).resolve().parents[2]
 _WORKER = "varuna.bench._pipeline_worker"
-VARUNA_SCHEDULES = ("gpipe", "1f1b", "varuna")
-TORCH_SCHEDULES = ("gpipe", "1f1b")
+VARUNA_SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1")
+TORCH_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -306,7 +312,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"(load {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after)",
         "",
         f"{'system':<17} {'schedule':<8} {'P':>2} {'M':>2} {'samples/s':>10} {'best':>7} {'step s':>8} "
-        f"{'of ideal':>9} {'cpu s/step per stage':>28}",
+        f"{'of ideal':>9} {'cpu s/step per stage':>28} {'step peak MB per stage':>24}",
     ]
     ideal = report["ratios"]["of_bubble_ideal"]
     for r in report["results"]:
@@ -315,7 +321,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['system']:<17} {r['schedule'] or '-':<8} {r['pipeline']:>2} {r['microbatches']:>2} "
             f"{r['samples_per_s']:>10.2f} {r['best_samples_per_s']:>7.2f} {r['median_step_s']:>8.3f} "
             f"{'' if share is None else f'{share:.2f}':>9} "
-            f"{' '.join(f'{c:.3f}' for c in r['cpu_s_per_step_per_stage']):>28}"
+            f"{' '.join(f'{c:.3f}' for c in r['cpu_s_per_step_per_stage']):>28} "
+            f"{' '.join('-' if b is None else f'{b / 2**20:.1f}' for b in r.get('step_peak_bytes_per_stage') or []):>24}"
         )
     lines.append("")
     best = report["ratios"]["from_best_step"]["varuna_over_torch_pipelining"]
