@@ -274,16 +274,16 @@ class P2P:
             works += [dist.irecv(t, self.prev, tag=mb * _SLOTS + _EARLY + i) for i, t in enumerate(tensors)]
             pending.early = (last, tensors)
         if self._step_in is None:  # no step message: the header surely follows, post it now
-            self._post_header_recv(mb, pending)
-            works.append(pending.header)
+            works.append(self._post_header_recv(mb, pending))
         if self._from_prev is not None:
             pending.arrival = self._from_prev.watch(works, then=lambda: self._post_data(mb, pending))
 
-    def _post_header_recv(self, mb: int, pending: _Pending) -> None:
+    def _post_header_recv(self, mb: int, pending: _Pending) -> Any:
         assert self.prev is not None
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         pending.header = dist.irecv(buf, self.prev, tag=mb * _SLOTS)
         pending.buffers.append(buf)
+        return pending.header
 
     def _empty(self, sig: Signature) -> list[torch.Tensor]:
         return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in sig[1]]
@@ -301,8 +301,7 @@ class P2P:
             self.early_received += 1
             return []
         if pending.header is None:  # posted now (else it was among the works already waited for)
-            self._post_header_recv(mb, pending)
-            pending.header.wait()  # a gloo work waited for twice never returns
+            self._post_header_recv(mb, pending).wait()  # a gloo work waited for twice never returns
         sig = decode_signature(pending.buffers[0])
         self._last_in[mb] = sig
         pending.is_tuple = sig[0]
