@@ -59,11 +59,33 @@ def test_activations_go_to_receives_posted_early_and_shape_changes_still_arrive(
     tensor, and every receiving path (with and without the watcher threads, and posting in the
     order of the sends as for NCCL) still deliver exactly."""
     seen = _two_ranks(varuna_run, tmp_path, "p2p_early.py", "EARLY")
-    for mode in ("watch=0", "watch=1", "ordered"):
+    for mode in ("watch=0", "watch=1", "ordered", "unstepped", "unstepped-watch=1"):
         assert seen[0][mode]["wrong"] == [] and seen[1][mode]["wrong"] == []
         # 5 steps x 3 micro-batches: step 0 has no early receives; micro-batch 1 changes shape at
         # step 3 and back at step 4, so it misses twice: 15 - 3 - 2 = 10
         assert seen[0][mode]["early"] == 10
+        # with begin_step, headers only where the batch changed shape: 3 at step 0, then micro-batch
+        # 1's at steps 3 and 4; without it (the profiler's use), one with every activation
+        assert seen[1][mode]["headers"] == (15 if mode.startswith("unstepped") else 5)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_cut_changing_shape_while_its_batch_does_not_fails_loudly_unless_headers_every(
+    tmp_path: Path, varuna_run
+) -> None:
+    """The stages send a cut's shapes only when the batch's change; a model whose cut shape changes
+    on its own stops the job with the setting to change, which then delivers every value."""
+    done = varuna_run(
+        [SCRIPTS / "p2p_mismatch.py"], pipeline=2, run_dir=tmp_path / "run", flags=["--timeout", "60"],
+        cwd=tmp_path, timeout=90, check=False,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "PartitionError: micro-batch 1's value at the cut changed shape to float32 (4, 4)" in out
+    assert "from last step's float32 (3, 4)" in out and "VARUNA_P2P_HEADERS=every" in out
+    seen = _two_ranks(varuna_run, tmp_path, "p2p_mismatch.py", "MISMATCH", VARUNA_P2P_HEADERS="every")
+    assert seen[0] == {"wrong": [], "received": 6}
 
 
 @pytest.mark.multirank

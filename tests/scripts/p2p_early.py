@@ -1,9 +1,10 @@
 """comm test helper (2 ranks): activations sent to the receives posted early with their shape.
 
 Rank 1 (first stage) sends 3 micro-batches per "step" for 5 steps; micro-batch 1 changes shape at
-step 3 and back at step 4, micro-batch 2 is a tuple with an int64 tensor. Rank 0 checks every value
-and gradient round trip and prints, per run (gloo without and with the watcher threads, and
-posting in send order as for NCCL), how many activations came in early receives, as one JSON line.
+step 3 and back at step 4 (with its batch), micro-batch 2 is a tuple with an int64 tensor. Rank 0
+checks every value and gradient round trip and prints, per run (gloo without and with the watcher
+threads, posting in send order as for NCCL, and without `begin_step` as the profiler uses it), how
+many activations came in early receives and how many headers rank 1 sent, as one JSON line.
 """
 
 from __future__ import annotations
@@ -19,20 +20,31 @@ from varuna.comm.p2p import P2P
 STEPS, MICRO = 5, 3
 
 
+def rows(step: int, mb: int) -> int:
+    return 5 if (mb == 1 and step == 3) else 3
+
+
+def batch(step: int) -> list[dict[str, torch.Tensor]]:
+    """The step's micro-batches as the runtime hands them to `begin_step`."""
+    return [{"ids": torch.zeros(rows(step, mb), dtype=torch.int64)} for mb in range(MICRO)]
+
+
 def value(step: int, mb: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    rows = 5 if (mb == 1 and step == 3) else 3
-    x = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + 100 * step + mb
+    rows_ = rows(step, mb)
+    x = torch.arange(rows_ * 4, dtype=torch.float32).reshape(rows_, 4) + 100 * step + mb
     if mb == 2:
         return (x, torch.arange(6, dtype=torch.int64) * step)
     return x
 
 
-def run(rank: int, ordered: bool) -> dict[str, object]:
+def run(rank: int, ordered: bool, stepped: bool) -> dict[str, object]:
     device = torch.device("cpu")
     wrong: list[str] = []
     if rank == 1:
         p2p = P2P(None, 0, device, ordered=ordered)
         for step in range(STEPS):
+            if stepped:
+                p2p.begin_step(batch(step))
             dist.barrier()
             for mb in range(MICRO):
                 p2p.send_activation(mb, value(step, mb))
@@ -45,8 +57,11 @@ def run(rank: int, ordered: bool) -> dict[str, object]:
     else:
         p2p = P2P(1, None, device, ordered=ordered)
         for step in range(STEPS):
-            for mb in range(MICRO):
-                p2p.post_activation_header(mb)  # as the runtime does at the start of a step
+            if stepped:
+                p2p.begin_step(batch(step))  # as the runtime does at the start of a step
+            else:
+                for mb in range(MICRO):
+                    p2p.post_activation_header(mb)
             dist.barrier()
             for mb in range(MICRO):
                 got, want = p2p.recv_activation(mb), value(step, mb)
@@ -58,15 +73,16 @@ def run(rank: int, ordered: bool) -> dict[str, object]:
                 p2p.send_grad(mb, got)
             p2p.finish()
     p2p.close()
-    return {"early": p2p.early_received, "wrong": wrong}
+    return {"early": p2p.early_received, "headers": p2p.headers_sent, "wrong": wrong}
 
 
 def main() -> None:
     rank = dist.get_rank()
     seen = {}
-    for mode in ("watch=0", "watch=1", "ordered"):  # ordered: NCCL's way, one micro-batch ahead
-        os.environ["VARUNA_P2P_WATCH"] = "1" if mode == "watch=1" else "0"
-        seen[mode] = run(rank, ordered=mode == "ordered")
+    # ordered: NCCL's way, one micro-batch ahead; unstepped: a header with every activation
+    for mode in ("watch=0", "watch=1", "ordered", "unstepped", "unstepped-watch=1"):
+        os.environ["VARUNA_P2P_WATCH"] = "1" if mode.endswith("watch=1") else "0"
+        seen[mode] = run(rank, ordered=mode == "ordered", stepped=not mode.startswith("unstepped"))
         dist.barrier()
     print("EARLY " + json.dumps(seen), flush=True)
 

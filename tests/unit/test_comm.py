@@ -67,16 +67,27 @@ class _Match(_Done):
         self.done = True
 
 
-def _steps_over(wire: _OrderedWire, ordered: bool) -> int:
+def _rows(step: int, mb: int) -> int:
+    return 5 if (mb == 1 and step == 3) else 3
+
+
+def _steps_over(wire: _OrderedWire, ordered: bool, stepped: bool = True) -> tuple[int, int]:
     """Five steps of three micro-batches, micro-batch 1 changing shape at step 3 and back at 4, each
-    received and its gradient sent back in order as the runtime does; returns the early arrivals."""
+    received and its gradient sent back in order as the runtime does; returns the early arrivals
+    and the headers sent. `stepped`: as the runtime, with `begin_step` (else every activation
+    comes with a header)."""
     cpu = torch.device("cpu")
     first, second = P2P(None, 1, cpu, ordered=ordered), P2P(0, None, cpu, ordered=ordered)
     for step in range(5):
+        if stepped:
+            micro = [{"ids": torch.zeros(_rows(step, mb), 4, dtype=torch.int64)} for mb in range(3)]
+            first.begin_step(micro)
+            second.begin_step(micro)
+        else:
+            for mb in range(3):
+                second.post_activation_header(mb)
         for mb in range(3):
-            second.post_activation_header(mb)  # the runtime posts every micro-batch at the start
-        for mb in range(3):
-            rows = 5 if (mb == 1 and step == 3) else 3
+            rows = _rows(step, mb)
             value = torch.full((rows, 4), float(10 * step + mb))
             first.send_activation(mb, value)
             got = second.recv_activation(mb)
@@ -86,7 +97,7 @@ def _steps_over(wire: _OrderedWire, ordered: bool) -> int:
             assert torch.equal(first.recv_grad(mb)[0], 2 * value)
         first.finish()
         second.finish()
-    return second.early_received
+    return second.early_received, first.headers_sent
 
 
 def test_an_ordered_transport_posts_receives_in_the_order_of_the_sends(
@@ -98,10 +109,12 @@ def test_an_ordered_transport_posts_receives_in_the_order_of_the_sends(
     import varuna.comm.p2p as comm
 
     wire = _OrderedWire()
-    monkeypatch.setattr(comm.dist, "isend", wire.isend)
-    monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
-    assert _steps_over(wire, ordered=True) == 10
-    monkeypatch.setattr(comm.dist, "isend", (fresh := _OrderedWire()).isend)
-    monkeypatch.setattr(comm.dist, "irecv", fresh.irecv)
-    with pytest.raises(AssertionError, match="paired with a send|a send that never comes"):
-        _steps_over(fresh, ordered=False)  # gloo's way (by tags) mismatches or hangs on an ordered wire
+    for stepped, headers in ((True, 5), (False, 15)):
+        monkeypatch.setattr(comm.dist, "isend", (wire := _OrderedWire()).isend)
+        monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
+        # 3 in step 0, then only micro-batch 1's at steps 3 and 4, when its batch changes shape
+        assert _steps_over(wire, ordered=True, stepped=stepped) == (10, headers)
+        monkeypatch.setattr(comm.dist, "isend", (fresh := _OrderedWire()).isend)
+        monkeypatch.setattr(comm.dist, "irecv", fresh.irecv)
+        with pytest.raises(AssertionError, match="paired with a send|a send that never comes"):
+            _steps_over(fresh, ordered=False, stepped=stepped)  # gloo's way (by tags) on an ordered wire

@@ -1,24 +1,37 @@
 """Point-to-point transfer of the values crossing a cut, with their shapes, and gradient buckets.
 
 A value at a cut is a tensor or a tuple of tensors whose shapes may change from step to step
-(variable sequence length), so every activation travels behind a small int64 header:
+(variable sequence length). The receiver must know them before it can post a receive, and gloo and
+NCCL move a message only once its receive is posted. So the receiver posts the receives of
+micro-batch m's tensors at the start of the step with the shapes m had in the previous step
+("early" receives, on their own tags), and the shapes travel only when they may have changed:
 
-    [is_tuple, n, dtype_0, ndim_0, d0, d1, ..., dtype_1, ndim_1, ...]   (HEADER_LEN slots)
+    step start   sender -> receiver   [M, h_0, ..., h_{M-1}]   one message per step (tag _STEP)
+                 h_m = 1: micro-batch m's batch changed shape (or it is new): its activation
+                 comes with a header (`_shapes`); h_m = 0: it has last step's shapes, no header
+    per m        h_m = 0:  data -> early receives
+                 h_m = 1:  header equal to m's last:  data -> early receives, header
+                           header differs:            placeholders -> early receives (old shapes,
+                                                      so none stays posted), header, data -> late
+
+The sender decides h_m from the micro-batch's key (its tensors' shapes and scalars, `batch_key`):
+the shapes at a cut follow the batch's in the models this serves (a fixed or a per-batch sequence
+length). The receiver follows the sender's word, not its own batch, so two stages that see
+different batches cannot disagree on what is sent. A value whose shapes changed while its batch's
+did not raises PartitionError on the sender, naming VARUNA_P2P_HEADERS=every (a header with every
+activation); it cannot be delivered, since the receiver waits with the old shapes. Without
+`begin_step` (the profiler's direct use) every activation comes with a header.
+
+On CUDA the step message costs the receiver one wait for a small copy to the host per step, where a
+header per activation cost one per activation; the sender compares shapes on the host.
 
 Gradients flow back with exactly the shapes of the activations sent, so they need no header and
 their receives are posted as soon as the activation leaves, overlapping with compute.
 
-gloo and NCCL move a message only once its receive is posted. So that an activation too moves
-while the receiving stage still computes, the receiver posts the receives of micro-batch m's
-tensors at the start of the step with the shapes m had in the previous step, on their own tags
-("early" receives). Both ends keep the last header of every m: when the new header equals it,
-the sender sends the tensors to the early receives; when it differs (or for the first step, with
-no early receives), it sends the tensors after the header as usual, and placeholders of the old
-shapes to any early receives, so that no receive is left posted with the wrong size.
-
 Tags keep the streams apart: one pair of neighbouring ranks carries activations one way and
 gradients the other; within a stream messages match in order (FIFO), and the tag also carries
-the micro-batch index so a mismatch fails loudly instead of silently pairing wrong tensors.
+the micro-batch index so a mismatch fails loudly instead of silently pairing wrong tensors. NCCL
+ignores tags, so each end also posts in one order: early receives, then the header, then late.
 
 Arrivals: Varuna's schedule pulls a forward ahead when the awaited gradient has not arrived, so
 the runtime must learn that a message arrived without blocking on it. gloo's work objects report
@@ -34,33 +47,31 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from varuna.comm._shapes import (
+    HEADER_LEN,
+    Signature,
+    batch_key,
+    decode_header,
+    decode_signature,
+    encode_header,
+    encode_signature,
+    headers_every,
+    signature,
+)
 from varuna.errors import PartitionError
 
 __all__ = ["HEADER_LEN", "Value", "flatten_value", "encode_header", "decode_header", "P2P", "GradBuckets"]
 
-HEADER_LEN = 64
-_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
-_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _SLOTS = 128  # tag = microbatch * _SLOTS + slot: 0 header, 1.. activations, 32.. gradients, 64.. early
 _LATE, _GRAD, _EARLY = 1, 32, 64
+_STEP = _SLOTS - 1  # micro-batch 0's last slot: the step message (a header fills at most 31 slots)
 
 Value = Any  # a tensor or a tuple of tensors
 
@@ -75,34 +86,6 @@ def flatten_value(value: Value) -> tuple[list[torch.Tensor], bool]:
         f"a CutPoint received a {type(value).__name__}; pass a tensor or a tuple of tensors through "
         "CutPoints (other values needed later must be computable from the batch on every stage)"
     )
-
-
-def encode_header(tensors: list[torch.Tensor], is_tuple: bool) -> torch.Tensor:
-    fields = [int(is_tuple), len(tensors)]
-    for t in tensors:
-        if t.dtype not in _CODE:
-            raise PartitionError(f"cannot send a {t.dtype} tensor across a cut; supported: {_DTYPES}")
-        fields += [_CODE[t.dtype], t.dim(), *t.shape]
-    if len(fields) > HEADER_LEN:
-        raise PartitionError(
-            f"the value at a cut has too many tensors or dimensions to describe in {HEADER_LEN} slots "
-            f"({len(tensors)} tensors); pass fewer tensors through the CutPoint"
-        )
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
-    return header
-
-
-def decode_header(header: torch.Tensor) -> tuple[list[tuple[torch.dtype, tuple[int, ...]]], bool]:
-    fields = header.tolist()
-    is_tuple, n = bool(fields[0]), fields[1]
-    specs, pos = [], 2
-    for _ in range(n):
-        dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
-        shape = tuple(fields[pos + 2 : pos + 2 + ndim])
-        specs.append((dtype, shape))
-        pos += 2 + ndim
-    return specs, is_tuple
 
 
 def _floating(t: torch.Tensor) -> bool:
@@ -162,13 +145,16 @@ class _Pending:
     arrival: _Arrival | None = None
     data: list[torch.Tensor] | None = None
     """An activation's tensors, once known to be in the early receives or posted after the header."""
-    early: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-    """The header the early receives were posted for and their tensors (in `works`, after the header)."""
+    is_tuple: bool = False
+    early: tuple[Signature, list[torch.Tensor]] | None = None
+    """The shapes the early receives were posted for and their tensors (in `works`)."""
+    header: Any = None
+    """The header's receive, once posted."""
 
     def ready(self) -> bool:
         if self.arrival is not None:
             return self.arrival.done.is_set()
-        return all(w.is_completed() for w in self.works)
+        return bool(self.works) and all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         if self.arrival is None:
@@ -213,18 +199,62 @@ class P2P:
         self._from_next = _Watcher("varuna-p2p-from-next") if watch and next_rank is not None else None
         self._headers: dict[int, _Pending] = {}
         self._grads: dict[int, _Pending] = {}
-        self._last_in: dict[int, torch.Tensor] = {}  # micro-batch -> the header it last came with
-        self._last_out: dict[int, torch.Tensor] = {}  # micro-batch -> the header it was last sent with
+        self._last_in: dict[int, Signature] = {}  # micro-batch -> the shapes it last came with
+        self._last_out: dict[int, Signature] = {}  # micro-batch -> the shapes it was last sent with
+        self._keys: dict[int, Any] = {}  # micro-batch -> its batch's key in the last step (sender)
+        self._promised: list[bool] | None = None  # this step: m -> sent without a header (sender)
+        self._step_in: tuple[Any, torch.Tensor] | None = None  # this step's message, posted (receiver)
+        self._told: list[bool] | None = None  # this step: m -> header follows, once read (receiver)
         self._sends: list[Any] = []
         self.idle_s = 0.0
         self.comm_s = 0.0
         self.bytes_sent = 0
         self.early_received = 0  # activations that came in the receives posted early with their shape
+        self.headers_sent = 0  # activations sent with a header (the others: shapes as last step)
+
+    # a step ------------------------------------------------------------------------------------
+    def begin_step(self, micro: Sequence[Mapping[str, Any]]) -> None:
+        """Start a step of `len(micro)` micro-batches: tell the next stage which activations come
+        with a header (the micro-batches whose batch changed shape), and post the receives of this
+        stage's activations early with last step's shapes (`post_activation_header`)."""
+        n = len(micro)
+        if self.next is not None:
+            keys = [batch_key(b) for b in micro]
+            every = headers_every()
+            header = [every or m not in self._last_out or self._keys.get(m) != k for m, k in enumerate(keys)]
+            self._keys = dict(enumerate(keys))
+            self._promised = [not h for h in header]
+            msg = torch.tensor([n, *map(int, header)], dtype=torch.int64, device=self.device)
+            self._sends.append((dist.isend(msg, self.next, tag=_STEP), msg))
+        if self.prev is not None:
+            buf = torch.empty(n + 1, dtype=torch.int64, device=self.device)
+            self._step_in = (dist.irecv(buf, self.prev, tag=_STEP), buf)
+            self._told = None
+            for m in range(n):
+                self.post_activation_header(m)
+
+    def _header_follows(self, mb: int) -> bool:
+        """Whether micro-batch `mb`'s activation comes with a header this step (the step's message
+        read on first use, in whichever thread resolves activations)."""
+        if self._step_in is None:
+            return True  # no begin_step: a header with every activation
+        if self._told is None:
+            work, buf = self._step_in
+            work.wait()
+            fields = buf.tolist()
+            if fields[0] != len(fields) - 1:
+                raise RuntimeError(
+                    f"the step message says {fields[0]} micro-batches, expected {len(fields) - 1}"
+                )
+            self._told = [bool(f) for f in fields[1:]]
+        if mb >= len(self._told):
+            raise RuntimeError(f"micro-batch {mb} received in a step of {len(self._told)} micro-batches")
+        return self._told[mb]
 
     # activations -------------------------------------------------------------------------------
     def post_activation_header(self, mb: int) -> None:
-        """Start receiving micro-batch `mb`'s header early, and its tensors too with the shapes
-        of the previous step's `mb`, so waiting later costs nothing.
+        """Start receiving micro-batch `mb`'s activation early, with the shapes of the previous
+        step's `mb`, so waiting later costs nothing (`begin_step` posts every micro-batch's).
 
         On an ordered transport (NCCL) the receives of a micro-batch whose shape changed are posted
         only once its header is read, after those posted early; so the next micro-batch's are
@@ -236,36 +266,55 @@ class P2P:
 
     def _post_header(self, mb: int) -> None:
         assert self.prev is not None
-        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        works = [dist.irecv(buf, self.prev, tag=mb * _SLOTS)]
-        pending = self._headers[mb] = _Pending(works, [buf])
+        works: list[Any] = []
+        pending = self._headers[mb] = _Pending(works, [])
         last = self._last_in.get(mb)
         if last is not None:
             tensors = self._empty(last)
             works += [dist.irecv(t, self.prev, tag=mb * _SLOTS + _EARLY + i) for i, t in enumerate(tensors)]
             pending.early = (last, tensors)
+        if self._step_in is None:  # no step message: the header surely follows, post it now
+            works.append(self._post_header_recv(mb, pending))
         if self._from_prev is not None:
             pending.arrival = self._from_prev.watch(works, then=lambda: self._post_data(mb, pending))
 
-    def _empty(self, header: torch.Tensor) -> list[torch.Tensor]:
-        specs, _ = decode_header(header)
-        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+    def _post_header_recv(self, mb: int, pending: _Pending) -> Any:
+        assert self.prev is not None
+        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        pending.header = dist.irecv(buf, self.prev, tag=mb * _SLOTS)
+        pending.buffers.append(buf)
+        return pending.header
+
+    def _empty(self, sig: Signature) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in sig[1]]
 
     def _post_data(self, mb: int, pending: _Pending) -> list[Any]:
-        """Micro-batch `mb`'s tensors, whose header `pending` holds: the early receives' if it
-        matches theirs (nothing more to wait for), else receives posted now."""
-        header = pending.buffers[0]
-        self._last_in[mb] = header
-        if pending.early is not None and torch.equal(header, pending.early[0]):
+        """Resolve micro-batch `mb`'s tensors (blocking on the step message and its header, if one
+        follows): the early receives' if it has their shapes (nothing more to wait for), else
+        receives posted now, returned."""
+        if not self._header_follows(mb):
+            if pending.early is None:
+                raise RuntimeError(
+                    f"micro-batch {mb} came without a header and this stage never saw its shapes"
+                )
+            pending.is_tuple, pending.data = pending.early[0][0], pending.early[1]
+            self.early_received += 1
+            return []
+        if pending.header is None:  # posted now (else it was among the works already waited for)
+            self._post_header_recv(mb, pending).wait()  # a gloo work waited for twice never returns
+        sig = decode_signature(pending.buffers[0])
+        self._last_in[mb] = sig
+        pending.is_tuple = sig[0]
+        if pending.early is not None and sig == pending.early[0]:
             pending.data = pending.early[1]
             self.early_received += 1
             return []
-        pending.data = self._empty(header)
+        pending.data = self._empty(sig)
         return [dist.irecv(t, self.prev, tag=mb * _SLOTS + _LATE + i) for i, t in enumerate(pending.data)]
 
     def activation_ready(self, mb: int) -> bool:
         """Whether micro-batch `mb`'s activation has arrived (with a watcher: all of it; without,
-        its header, the data following it)."""
+        its first messages, the rest following them)."""
         pending = self._headers.get(mb)
         return pending is not None and pending.ready()
 
@@ -282,12 +331,12 @@ class P2P:
         pending = self._headers.pop(mb)
         t0 = time.perf_counter()
         pending.wait()
+        # no watcher resolved it: the step message and the header (waits for the sender), data posted
+        late = self._post_data(mb, pending) if pending.data is None else []
         t1 = time.perf_counter()
-        _, is_tuple = decode_header(pending.buffers[0])
-        if pending.data is None:  # no watcher posted them: post the data's receives now
-            for w in self._post_data(mb, pending):
-                if w is not None:  # None only for a rank outside the group, never here
-                    w.wait()
+        for w in late:
+            if w is not None:  # None only for a rank outside the group, never here
+                w.wait()
         tensors = pending.data
         assert tensors is not None
         if self.ordered and self._wanted and not self._headers:
@@ -297,31 +346,49 @@ class P2P:
         for t in tensors:
             if _floating(t):
                 t.requires_grad_()
-        return tuple(tensors) if is_tuple else tensors[0]
+        return tuple(tensors) if pending.is_tuple else tensors[0]
 
     def send_activation(self, mb: int, value: Value) -> None:
         """Send the value at this stage's end cut, and post the receives for its gradients."""
         assert self.next is not None
         tensors, is_tuple = flatten_value(value)
         tensors = [t.detach().contiguous() for t in tensors]
-        header = encode_header(tensors, is_tuple).to(self.device)
-        t0 = time.perf_counter()
-        self._sends.append((dist.isend(header, self.next, tag=mb * _SLOTS), header))
+        sig = signature(tensors, is_tuple)
         last = self._last_out.get(mb)
-        early = last is not None and torch.equal(header, last)
-        if last is not None and not early:  # the early receives wait for the old shapes: fill them
-            for i, t in enumerate(self._empty(last)):
-                self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + _EARLY + i), t))
-        self._last_out[mb] = header
-        slot = _EARLY if early else _LATE
-        for i, t in enumerate(tensors):
-            self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + slot + i), t))
-            self.bytes_sent += t.numel() * t.element_size()
+        t0 = time.perf_counter()
+        if self._promised is not None and mb < len(self._promised) and self._promised[mb]:
+            if sig != last:  # the next stage waits for the old shapes: this cannot be delivered
+                raise PartitionError(
+                    f"micro-batch {mb}'s value at the cut changed shape to {_shapes(sig)} from last step's "
+                    f"{_shapes(last)} while its batch kept its shapes; the stages send shapes only when the "
+                    "batch's change. Set VARUNA_P2P_HEADERS=every to send them with every activation"
+                )
+            early = True
+        else:
+            early = sig == last
+            if last is not None and not early:  # the early receives wait for the old shapes: fill them
+                for i, t in enumerate(self._empty(last)):
+                    self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + _EARLY + i), t))
+        if early:
+            self._send_data(mb, _EARLY, tensors)
+        if not self._promised or mb >= len(self._promised) or not self._promised[mb]:
+            header = encode_signature(sig).to(self.device)
+            self._sends.append((dist.isend(header, self.next, tag=mb * _SLOTS), header))
+            self.headers_sent += 1
+            self._last_out[mb] = sig
+            if not early:
+                self._send_data(mb, _LATE, tensors)
         grads = [torch.empty_like(t) for t in tensors if _floating(t)]
         works = [dist.irecv(g, self.next, tag=mb * _SLOTS + _GRAD + i) for i, g in enumerate(grads)]
         arrival = self._from_next.watch(works) if self._from_next is not None and works else None
         self._grads[mb] = _Pending(works, grads, arrival)
         self.comm_s += time.perf_counter() - t0
+
+    def _send_data(self, mb: int, slot: int, tensors: list[torch.Tensor]) -> None:
+        assert self.next is not None
+        for i, t in enumerate(tensors):
+            self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + slot + i), t))
+            self.bytes_sent += t.numel() * t.element_size()
 
     # gradients ---------------------------------------------------------------------------------
     def grad_ready(self, mb: int) -> bool:
@@ -354,6 +421,8 @@ class P2P:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+        self._promised = None
+        self._step_in = self._told = None
         self.comm_s += time.perf_counter() - t0
 
     def close(self) -> None:
@@ -361,6 +430,13 @@ class P2P:
         for watcher in (self._from_prev, self._from_next):
             if watcher is not None:
                 watcher.close()
+
+
+def _shapes(sig: Signature | None) -> str:
+    if sig is None:
+        return "none"
+    text = ", ".join(f"{str(dtype).removeprefix('torch.')} {tuple(shape)}" for dtype, shape in sig[1])
+    return f"({text})" if sig[0] else text
 
 
 class GradBuckets:

@@ -203,9 +203,7 @@ class StageRuntime:
             self._params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]
         idle0, comm0 = self.p2p.idle_s, self.p2p.comm_s
         start = time.perf_counter()
-        if not self.first:
-            for m in range(len(micro)):
-                self.p2p.post_activation_header(m)
+        self.p2p.begin_step(micro)  # which activations come with shapes; receives posted early
         queue = list(actions)
         while queue:
             head = queue[0]
