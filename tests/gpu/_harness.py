@@ -4,10 +4,11 @@ launch of a worker through `varuna.launch.job.Job`, and the comparison with plai
 Transport. The engine's device follows the backend (NCCL: the rank's GPU; gloo: the CPU), and
 `varuna.comm.rendezvous` gives the ranks of a host its GPUs round-robin. A job of W ranks on G < W
 GPUs puts two ranks on one GPU, which NCCL 2.5 to 2.29 refuses ("Duplicate GPU detected");
-NCCL 2.30 accepts it, experimentally, with NCCL_MULTI_RANK_GPU_ENABLE=1. So a job on a GPU host
-first runs on NCCL (that variable set when GPUs are shared); if NCCL refuses, the job reruns on
-gloo, which computes on the CPU, and the check says so (`cuda: false`): what then ran on the GPU is
-only the one-rank job. Nothing here changes `varuna`: a gloo job with CUDA tensors would need the
+NCCL 2.30 accepts it, experimentally, with NCCL_MULTI_RANK_GPU_ENABLE=1 (torch loads the NCCL of
+the nvidia-nccl-cu12 wheel, so `pip install -U "nvidia-nccl-cu12>=2.30"` provides it). So with an
+NCCL of 2.30 or later a job on a GPU host runs on NCCL, that variable set when GPUs are shared; with
+an older one, or if NCCL refuses all the same, the job runs on gloo, which computes on the CPU, and
+the check says so (`cuda: false`): what then ran on the GPU is only the one-rank job. Nothing here changes `varuna`: a gloo job with CUDA tensors would need the
 engine's device seam to accept gloo on CUDA, which the CPU-first engine does not do.
 """
 
@@ -29,7 +30,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-REFUSAL_MARKS = ("Duplicate GPU detected", "ncclInvalidUsage")
+REFUSAL_MARKS = ("Duplicate GPU detected", "Duplicated GPU device", "ncclInvalidUsage")
 """Lines by which NCCL says it will not put two ranks on one GPU."""
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -103,10 +104,29 @@ def environment(device: str) -> dict[str, Any]:
             }
             for i in range(torch.cuda.device_count())
         ]
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        env["nccl"] = ".".join(map(str, nccl_version()))
         env["cudnn"] = torch.backends.cudnn.version()
         env["visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     return env
+
+
+def nccl_version() -> tuple[int, int, int]:
+    """The NCCL torch loaded (older torch gives one int: 2.9+ encode it as major * 10000 + ...)."""
+    v = torch.cuda.nccl.version()
+    if isinstance(v, tuple):
+        return (int(v[0]), int(v[1]), int(v[2]))
+    return (v // 10000, v // 100 % 100, v % 100) if v >= 20900 else (v // 1000, v // 100 % 10, v % 100)
+
+
+def shared_gpu_refusal() -> str | None:
+    """Why NCCL will not put two ranks on one GPU here, known before trying; None if it may."""
+    v = nccl_version()
+    if v >= (2, 30, 0):
+        return None
+    return (
+        f"NCCL {'.'.join(map(str, v))} refuses two ranks on one GPU; 2.30+ accepts them with "
+        'NCCL_MULTI_RANK_GPU_ENABLE=1 (pip install -U "nvidia-nccl-cu12>=2.30")'
+    )
 
 
 def transport(ctx: Context, world: int) -> Transport:
@@ -127,7 +147,7 @@ def transport(ctx: Context, world: int) -> Transport:
 
 def fallback() -> Transport:
     return Transport(
-        "gloo (cpu) - fallback: NCCL refused ranks sharing a GPU",
+        "gloo (cpu) - fallback: NCCL puts no two ranks on one GPU here",
         {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""},
         cuda=False,
     )

@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
-from _harness import Context, Launched, compare, environment, fallback, launch, transport  # noqa: E402
+from _harness import Context, Launched, compare, environment, fallback, launch, shared_gpu_refusal, transport  # noqa: E402
 
 from varuna.errors import ConfigError  # noqa: E402
 from varuna.schedule import SCHEDULES  # noqa: E402
@@ -205,6 +205,8 @@ def run(device: str, *, quick: bool, budget_s: float, rtol: float | None, work: 
     ctx = Context(device=device, quick=quick, work=work, deadline=t0 + budget_s, budget_s=budget_s, rtol=rtol)
     if device == "cuda":
         ctx.gpus = torch.cuda.device_count()
+        if ctx.gpus < 4:  # 2x2 shares GPUs
+            ctx.nccl_refused = shared_gpu_refusal()
     steps = 3 if quick else 5
     size, warmup, timed = (
         ("tiny", 1, 2) if quick else (("bench", 3, 10) if device == "cuda" else ("bench", 1, 3))

@@ -83,3 +83,35 @@ def test_a_non_positive_budget_or_tolerance_is_refused() -> None:
         run_gpu_checks.main(["--device", "cpu", "--budget-s", "0"])
     with pytest.raises(ConfigError, match=r"got 480.0, -1.0"):
         run_gpu_checks.main(["--device", "cpu", "--rtol", "-1"])
+
+
+@pytest.mark.parametrize(
+    ("reported", "refused"),
+    [
+        ((2, 27, 5), "NCCL 2.27.5 refuses"),
+        (22703, "NCCL 2.27.3 refuses"),
+        (2708, "NCCL 2.7.8"),
+        ((2, 30, 1), None),
+    ],
+)
+def test_ranks_share_a_gpu_only_from_nccl_2_30(monkeypatch, reported, refused) -> None:
+    import _harness
+
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: reported)
+    why = _harness.shared_gpu_refusal()
+    assert why is None if refused is None else (refused in why and "nvidia-nccl-cu12>=2.30" in why)
+
+
+def test_each_job_gets_nccl_a_shared_gpu_or_the_gloo_fallback(tmp_path: Path) -> None:
+    from _harness import Context, transport
+
+    ctx = Context(device="cpu", quick=True, work=tmp_path, deadline=0.0, budget_s=1.0, rtol=1e-5)
+    assert transport(ctx, 4).env == {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}
+    ctx.device, ctx.gpus = "cuda", 2
+    assert transport(ctx, 2).env == {"VARUNA_BACKEND": "nccl"} and transport(ctx, 2).cuda
+    shared = transport(ctx, 4)
+    assert shared.env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1" and "2 ranks per GPU" in shared.label
+    ctx.nccl_refused = "NCCL 2.27.5 refuses two ranks on one GPU"
+    assert transport(ctx, 2).cuda  # a GPU each: NCCL still
+    late = transport(ctx, 4)
+    assert not late.cuda and "fallback" in late.label and late.env["VARUNA_BACKEND"] == "gloo"
