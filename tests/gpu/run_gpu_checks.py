@@ -40,12 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from _harness import Context, Launched, compare, environment, fallback, launch, shared_gpu_refusal, transport  # noqa: E402
+from _p2p_worker import MICRO as P2P_MICRO  # noqa: E402
+from _p2p_worker import STEPS as P2P_STEPS  # noqa: E402
 
 from varuna.errors import ConfigError  # noqa: E402
 from varuna.schedule import SCHEDULES  # noqa: E402
 
 BUDGET_S = 480.0
-P2P_STEPS, P2P_MICRO = 5, 4  # tests/gpu/_p2p_worker.py: micro-batch 1 changes shape twice
 MODELS = ("gpt", "bert")
 Judge = Callable[[Path], dict[str, Any]]
 
