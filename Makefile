@@ -10,7 +10,7 @@ LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.varuna-installed
 
-.PHONY: install test test-quick demo bench lab lint clean
+.PHONY: install test test-quick demo bench gpu-check lab lint clean
 
 $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ demo: install
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m varuna.bench pipeline --json
+
+# The GPU readiness checks (tests/gpu/README.md): NCCL jobs and a JSON report in under 8 minutes;
+# DEVICE=cpu runs the same jobs on gloo.
+DEVICE ?= auto
+GPU_REPORT ?= runs/gpu-check.json
+gpu-check: install
+	OMP_NUM_THREADS=1 $(BIN)/python tests/gpu/run_gpu_checks.py --device $(DEVICE) --out $(GPU_REPORT)
 
 # JupyterLab on loopback, with a fresh token (printed in the URL), on the quickstart notebook.
 lab: install
