@@ -4,6 +4,7 @@ namespaces cannot be made."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -33,8 +34,6 @@ def on_host(hosts: NetnsHosts) -> Callable[..., str]:
     a non-zero exit fails the test with its stderr."""
 
     def run(host: str, code: str, *, env: dict[str, str] | None = None, timeout: float = 60) -> str:
-        import os
-
         full = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         done = subprocess.run(
             hosts.command(host, [sys.executable, "-c", code]), env=full, capture_output=True, text=True,
@@ -45,4 +44,3 @@ def on_host(hosts: NetnsHosts) -> Callable[..., str]:
         return done.stdout
 
     return run
-

@@ -185,7 +185,7 @@ class NetnsHosts:
             "#!/bin/sh\n"
             "# hydra's ssh launcher: run the proxy command line on HOST's namespace, under HOST's name\n"
             '[ "$1" = -x ] && shift\n'
-            'host=$1; shift\n'
+            "host=$1; shift\n"
             f'exec ip netns exec "{self.prefix}-$host" unshare --uts sh -c "hostname $host && exec $*"\n'
         )
         self.shim.chmod(0o755)
@@ -205,7 +205,9 @@ class NetnsHosts:
         deadline = time.monotonic() + timeout_s
         while True:
             done = subprocess.run(
-                self.command(first, [sys.executable, "-c", probe, *self.names[1:]]), capture_output=True, text=True
+                self.command(first, [sys.executable, "-c", probe, *self.names[1:]]),
+                capture_output=True,
+                text=True,
             )
             if done.returncode == 0:
                 return

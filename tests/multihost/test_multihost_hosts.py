@@ -15,8 +15,8 @@ import sys
 import pytest
 from netns_hosts import NETNS_ETC, SUBNET, NetnsHosts, remove_stale, unavailable
 
-from varuna.comm.addresses import network_stack
 from varuna.comm.addresses import _addresses as addresses_here
+from varuna.comm.addresses import network_stack
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(120)]
 
@@ -36,7 +36,9 @@ def test_multihost_each_host_has_its_own_name_stack_and_address(hosts: NetnsHost
     for i, host in enumerate(hosts.names, 1):
         assert seen[host]["addresses"] == {"lo": "127.0.0.1", "eth0": f"{SUBNET}.{i}"}
         # its own name on 127.0.1.1, as Debian installs it; the others' on the subnet
-        assert seen[host]["others"] == {h: "127.0.1.1" if h == host else hosts.address(h) for h in hosts.names}
+        assert seen[host]["others"] == {
+            h: "127.0.1.1" if h == host else hosts.address(h) for h in hosts.names
+        }
     # the subnet exists only inside the hosts
     assert not [a for a in addresses_here().values() if a.startswith(f"{SUBNET}.")]
 
@@ -52,7 +54,9 @@ def test_multihost_hosts_reach_each_other_by_name(hosts: NetnsHosts, on_host) ->
     )  # fmt: skip
     try:
         port = int(server.stdout.readline())  # type: ignore[union-attr]
-        code = f"import socket; print(socket.create_connection(('h2', {port}), timeout=10).recv(100).decode())"
+        code = (
+            f"import socket; print(socket.create_connection(('h2', {port}), timeout=10).recv(100).decode())"
+        )
         assert on_host("h1", code).split() == [hosts.address("h1"), "h2"]
         # this machine's own stack has no route to the subnet
         with pytest.raises(OSError):
@@ -72,7 +76,10 @@ def test_multihost_rank0_and_gloo_use_the_subnet_not_loopback(hosts: NetnsHosts,
         "print(outbound_ip(['h1', 'h2', 'h3']), choose_gloo_interface('{store}'))\n"
     )
     store = hosts.address("h1")
-    assert on_host("h1", code.format(store=store), env={"GLOO_SOCKET_IFNAME": "lo"}).split() == [store, "eth0"]
+    assert on_host("h1", code.format(store=store), env={"GLOO_SOCKET_IFNAME": "lo"}).split() == [
+        store,
+        "eth0",
+    ]
     assert on_host("h3", code.format(store=store), env={"GLOO_SOCKET_IFNAME": "lo"}).split()[1] == "eth0"
     # an interface the user named is theirs to choose
     kept = "import os; from varuna.comm.addresses import choose_gloo_interface as c; print(c('h1'))"

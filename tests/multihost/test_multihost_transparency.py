@@ -69,8 +69,7 @@ def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
 
 
 def _results(folder: Path) -> list[dict]:
-    found = [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(4)]
-    return found
+    return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(4)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
