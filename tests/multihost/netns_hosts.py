@@ -18,7 +18,8 @@ file system", as it must be on a cluster), the processes' pids, the CPUs.
 
 MPICH's hydra starts the ranks of each host through ``-launcher ssh -launcher-exec SHIM``: hydra
 calls ``SHIM -x HOST "proxy" args...`` as it would call ``ssh``, and the shim runs the proxy in
-HOST's namespace under HOST's name. ``mpiexec`` itself runs in the first host
+HOST's namespace under HOST's name (under this machine's name when ``NETNS_HOSTS_SAME_NAME`` is set
+in mpiexec's environment: hosts that share one name). ``mpiexec`` itself runs in the first host
 (`NetnsHosts.command`), so every process of a job is on the private subnet.
 
 Names carry this process's pid (``vmh<pid>-...``), so harnesses of concurrent test runs never
@@ -131,11 +132,13 @@ class NetnsHosts:
         """The IPv4 address of `host` on the private subnet."""
         return f"{SUBNET}.{self.names.index(host) + 1}"
 
-    def command(self, host: str, argv: list[str]) -> list[str]:
-        """`argv` run on `host`: in its network namespace, in a UTS namespace named after it."""
+    def command(self, host: str, argv: list[str], *, own_name: bool = True) -> list[str]:
+        """`argv` run on `host`: in its network namespace, in a UTS namespace named after it (with
+        `own_name`; else under this machine's name, as hosts that all share one name)."""
+        name = 'hostname "$0"' if own_name else ":"
         return [
             "ip", "netns", "exec", self.netns(host), "unshare", "--uts",
-            "sh", "-c", 'hostname "$0" && exec "$@"', host, *argv,
+            "sh", "-c", f'{name} && exec "$@"', host, *argv,
         ]  # fmt: skip
 
     def hostfile(self, path: Path, slots: dict[str, int]) -> Path:
@@ -186,7 +189,8 @@ class NetnsHosts:
             "# hydra's ssh launcher: run the proxy command line on HOST's namespace, under HOST's name\n"
             '[ "$1" = -x ] && shift\n'
             "host=$1; shift\n"
-            f'exec ip netns exec "{self.prefix}-$host" unshare --uts sh -c "hostname $host && exec $*"\n'
+            '[ -n "$NETNS_HOSTS_SAME_NAME" ] && name=: || name="hostname $host"\n'
+            f'exec ip netns exec "{self.prefix}-$host" unshare --uts sh -c "$name && exec $*"\n'
         )
         self.shim.chmod(0o755)
         self._wait_links()

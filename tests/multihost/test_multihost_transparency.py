@@ -7,6 +7,7 @@ hostfile's slots in order:
     stages-apart     h1:1 h2:1        stage 0 on h1, stage 1 on h2: activations and gradients cross hosts
     replicas-apart   h1:2 h2:2        replica 0 on h1, replica 1 on h2: the gradient all-reduce crosses
     three-hosts      h1:2 h2:1 h3:1   replica 0 on h1; replica 1's stages on h2 and h3
+    one-name         h1:1 h2:1        stages apart, every host with this machine's name
 
 For GPT and BERT under every schedule, the 5 step losses and the final parameters match
 single-process training on the same global batches within 1e-5 relative, as
@@ -15,8 +16,10 @@ tests/multirank/test_transparency.py asks of one host.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -29,11 +32,34 @@ from transparency_common import MODELS, SCHEDULES, reference  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(420)]
 RTOL = 1e-5
-LAYOUTS: dict[str, tuple[dict[str, int], dict[str, str]]] = {
-    "stages-apart": ({"h1": 1, "h2": 1}, {}),
+
+
+@dataclass(frozen=True)
+class Layout:
+    slots: dict[str, int]
+    """The hostfile: hydra fills the slots in order, so rank r runs on the r-th slot."""
+    env: dict[str, str] = field(default_factory=dict)
+    own_names: bool = True
+    """False: every host has this machine's name, as two machines both called ``node`` would."""
+    mpiexec_args: str = ""
+    """More of mpiexec's own options, after the launcher shim's."""
+    schedules: tuple[str, ...] = SCHEDULES
+
+
+LAYOUTS = {
+    "stages-apart": Layout({"h1": 1, "h2": 1}),
     # a GLOO_SOCKET_IFNAME=lo left in the environment (a notebook that trained alone) must not cut h1 off
-    "replicas-apart": ({"h1": 2, "h2": 2}, {"GLOO_SOCKET_IFNAME": "lo"}),
-    "three-hosts": ({"h1": 2, "h2": 1, "h3": 1}, {}),
+    "replicas-apart": Layout({"h1": 2, "h2": 2}, {"GLOO_SOCKET_IFNAME": "lo"}),
+    "three-hosts": Layout({"h1": 2, "h2": 1, "h3": 1}),
+    # one name on every host: the ranks must still tell the network stacks apart (not use loopback);
+    # hydra's own traffic then needs `-iface` as its host-name lookup would fail
+    "one-name": Layout(
+        {"h1": 1, "h2": 1},
+        {"NETNS_HOSTS_SAME_NAME": "1"},
+        own_names=False,
+        mpiexec_args="-iface eth0",
+        schedules=("varuna",),
+    ),
 }
 
 
@@ -42,14 +68,15 @@ def runs(hosts: NetnsHosts, tmp_path_factory: pytest.TempPathFactory, varuna_pop
     """One job per placement, all started at once from h1; each must end with exit code 0."""
     base = tmp_path_factory.mktemp("multihost")
     procs = {}
-    for name, (slots, env) in LAYOUTS.items():
+    for name, layout in LAYOUTS.items():
         log = open(base / f"{name}.log", "w")
         proc = varuna_popen(
-            [SCRIPTS / "multihost_worker.py", base / name, ",".join(SCHEDULES)],
+            [SCRIPTS / "multihost_worker.py", base / name, ",".join(layout.schedules)],
             pipeline=2, data=2, run_dir=base / f"run-{name}",
-            flags=["--hostfile", str(hosts.hostfile(base / f"{name}.hosts", slots)), "--timeout", "300"],
-            env={"VARUNA_MPIEXEC_ARGS": hosts.mpiexec_args, **env},
-            wrap=hosts.command("h1", []), cwd=base, stdout=log, stderr=subprocess.STDOUT,
+            flags=["--hostfile", str(hosts.hostfile(base / f"{name}.hosts", layout.slots)), "--timeout", "300"],
+            env={"VARUNA_MPIEXEC_ARGS": f"{hosts.mpiexec_args} {layout.mpiexec_args}", **layout.env},
+            wrap=hosts.command("h1", [], own_name=layout.own_names), cwd=base, stdout=log,
+            stderr=subprocess.STDOUT,
         )  # fmt: skip
         procs[name] = (proc, log)
     for name, (proc, log) in procs.items():
@@ -72,23 +99,34 @@ def _results(folder: Path) -> list[dict]:
     return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(4)]
 
 
+# (replica, stage) -> host: what each layout is for
+WHERE = {
+    "stages-apart": {(0, 0): "h1", (0, 1): "h2", (1, 0): "h1", (1, 1): "h2"},
+    "replicas-apart": {(0, 0): "h1", (0, 1): "h1", (1, 0): "h2", (1, 1): "h2"},
+    "three-hosts": {(0, 0): "h1", (0, 1): "h1", (1, 0): "h2", (1, 1): "h3"},
+    "one-name": {(0, 0): "h1", (0, 1): "h2", (1, 0): "h1", (1, 1): "h2"},
+}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_multihost_ranks_run_where_the_hostfile_puts_them(runs, hosts: NetnsHosts, layout: str) -> None:
-    ranks = _results(runs[layout] / f"gpt-{SCHEDULES[0]}")
-    where = {(r["replica"], r["stage"]): r["host"] for r in ranks}
-    expected = {
-        "stages-apart": {(0, 0): "h1", (0, 1): "h2", (1, 0): "h1", (1, 1): "h2"},
-        "replicas-apart": {(0, 0): "h1", (0, 1): "h1", (1, 0): "h2", (1, 1): "h2"},
-        "three-hosts": {(0, 0): "h1", (0, 1): "h1", (1, 0): "h2", (1, 1): "h3"},
-    }[layout]
-    assert where == expected
+    spec = LAYOUTS[layout]
+    ranks = _results(runs[layout] / f"gpt-{spec.schedules[0]}")
+    expected = WHERE[layout]
+    assert {(r["replica"], r["stage"]): r["address"] for r in ranks} == {
+        key: hosts.address(host) for key, host in expected.items()
+    }
+    names = {r["host"] for r in ranks}
+    assert names == (set(expected.values()) if spec.own_names else {socket.gethostname()})
     # one network stack per host, and gloo on the subnet's interface everywhere (never lo)
-    stacks = {r["host"]: r["stack"] for r in ranks}
-    assert len(set(stacks.values())) == len(stacks) == len(LAYOUTS[layout][0])
+    stacks = {r["address"]: r["stack"] for r in ranks}
+    assert len(set(stacks.values())) == len(stacks) == len(spec.slots)
     assert {r["gloo_ifname"] for r in ranks} == {"eth0"}
 
 
-CASES = [(layout, kind, schedule) for layout in LAYOUTS for kind in MODELS for schedule in SCHEDULES]
+CASES = [
+    (name, kind, schedule) for name, spec in LAYOUTS.items() for kind in MODELS for schedule in spec.schedules
+]
 
 
 @pytest.mark.parametrize(("layout", "kind", "schedule"), CASES, ids=["-".join(c) for c in CASES])
