@@ -1,5 +1,5 @@
 """Shared fixtures. The tiers live in folders: unit/ (no processes), multirank/ (`varuna run` jobs),
-browser/ (headless Chromium), bench/ (benchmarks).
+multihost/ (jobs across network-namespace hosts, as root), browser/ (headless Chromium), bench/ (benchmarks).
 
 `varuna_run` and `varuna_popen` are the one place that builds a `varuna run` command line.
 """
@@ -22,10 +22,16 @@ from _helpers import REPO  # noqa: E402
 
 
 def _command(
-    script_and_args: Sequence[str | Path], *, pipeline: int, data: int, run_dir: Path, flags: Sequence[str]
+    script_and_args: Sequence[str | Path],
+    *,
+    pipeline: int,
+    data: int,
+    run_dir: Path,
+    flags: Sequence[str],
+    wrap: Sequence[str] = (),
 ) -> list[str]:
     return [
-        sys.executable, "-m", "varuna", "run", *flags,
+        *wrap, sys.executable, "-m", "varuna", "run", *flags,
         "--pipeline", str(pipeline), "--data", str(data), "--run-dir", str(run_dir),
         *map(str, script_and_args),
     ]  # fmt: skip
@@ -55,7 +61,8 @@ def varuna_run() -> Callable[..., subprocess.CompletedProcess[str]]:
 
     The job gets PYTHONPATH=<repo>, OMP_NUM_THREADS=1 (then `env` on top) and a closed stdin; past
     `timeout` seconds its process group is stopped and subprocess.TimeoutExpired raised. With `check`,
-    a non-zero exit fails the test with the tail of the output.
+    a non-zero exit fails the test with the tail of the output. `wrap` is a command prefix that
+    `varuna run` runs under (`NetnsHosts.command(host, [])`: on a namespace host); it must exec.
     """
 
     def run(
@@ -69,8 +76,9 @@ def varuna_run() -> Callable[..., subprocess.CompletedProcess[str]]:
         cwd: Path | None = None,
         timeout: float = 300,
         check: bool = True,
+        wrap: Sequence[str] = (),
     ) -> subprocess.CompletedProcess[str]:
-        cmd = _command(script_and_args, pipeline=pipeline, data=data, run_dir=run_dir, flags=flags)
+        cmd = _command(script_and_args, pipeline=pipeline, data=data, run_dir=run_dir, flags=flags, wrap=wrap)
         proc = subprocess.Popen(
             cmd, env=_env(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -110,9 +118,10 @@ def varuna_popen() -> Iterator[Callable[..., subprocess.Popen]]:
         flags: Sequence[str] = (),
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        wrap: Sequence[str] = (),
         **popen_kw: Any,
     ) -> subprocess.Popen:
-        cmd = _command(script_and_args, pipeline=pipeline, data=data, run_dir=run_dir, flags=flags)
+        cmd = _command(script_and_args, pipeline=pipeline, data=data, run_dir=run_dir, flags=flags, wrap=wrap)
         proc = subprocess.Popen(
             cmd, env=_env(env), cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True, **popen_kw
         )

@@ -33,6 +33,24 @@ def test_no_mpiexec_says_how_to_get_one(tmp_path: Path, monkeypatch: pytest.Monk
         mpiexec_command(1, ["x"], hostfile=None, env={})
 
 
+def test_mpiexec_args_go_before_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VARUNA_MPIEXEC_ARGS", "-launcher ssh -launcher-exec '/opt/my ssh'")
+    cmd = mpiexec_command(2, ["x.py"], hostfile=None, env={})
+    assert cmd[1:6] == ["-launcher", "ssh", "-launcher-exec", "/opt/my ssh", "-n"]
+
+
+def test_badly_quoted_mpiexec_args_say_which_variable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("VARUNA_MPIEXEC_ARGS", "-launcher-exec '/opt/my ssh")
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(
+        ConfigError, match=r"VARUNA_MPIEXEC_ARGS is not a valid list of shell words.*quote as in a shell"
+    ):
+        Job([str(script)], pipeline=1, data=1, run_dir=tmp_path / "run")
+
+
 # --- the worker's line tee -------------------------------------------------------------------------
 
 

