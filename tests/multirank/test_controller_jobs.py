@@ -22,6 +22,7 @@ from _helpers import SCRIPTS
 
 from varuna.controller import JobController
 from varuna.errors import LaunchError
+from varuna.launch.pids import job_processes
 
 pytestmark = pytest.mark.multirank
 SCRIPT = str(SCRIPTS / "controller_train.py")
@@ -61,18 +62,6 @@ def test_job_runs_with_hello_from_both_ranks(ctl: JobController) -> None:
     ]
     assert all(r.pid and r.host and r.last_heartbeat and time.time() - r.last_heartbeat < 10 for r in rows)
     assert "step" in ctl.log_tail(0)
-
-
-def job_processes(job_id: str) -> dict[int, list[str]]:
-    """pid -> argv of every process of the job on this host (mpiexec, hydra's proxy, the ranks)."""
-    tag, found = f"VARUNA_JOB_ID={job_id}".encode(), {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and tag in (entry / "environ").read_bytes().split(b"\0"):
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.timeout(60)

@@ -6,26 +6,12 @@ the listening addresses come from /proc/net/tcp{,6} (rank 0 hosts the server).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-from pathlib import Path
 
 import torch.distributed as dist
 
-
-def listening_on(port: int) -> list[str]:
-    found = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            address, hex_port = fields[1].split(":")
-            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                raw = bytes.fromhex(address)
-                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # per-word host order
-                found.append(str(ipaddress.ip_address(words)))
-    return found
-
+from varuna.comm.addresses import listening_on  # noqa: E402
 
 store = dist.distributed_c10d._get_default_store()
 while hasattr(store, "underlying_store"):  # PrefixStore -> TCPStore

@@ -25,20 +25,9 @@ from typing import Any
 
 from varuna.bench import bench_env
 from varuna.bench._faults_case import Case, Result, cli, first_line, wait_for
+from varuna.launch.pids import job_processes
 
 TRAIN = Path(__file__).resolve().parent / "_faults_train.py"
-
-
-def job_processes(job_id: str) -> dict[int, list[str]]:
-    """pid -> argv of every process of the job on this host (mpiexec, hydra's proxy, the ranks)."""
-    tag, found = f"VARUNA_JOB_ID={job_id}".encode(), {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and tag in (entry / "environ").read_bytes().split(b"\0"):
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-    return found
 
 
 class Jobs:

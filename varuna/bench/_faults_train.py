@@ -17,26 +17,13 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse  # noqa: E402
-import ipaddress  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-
-def listening_on(port: int) -> list[str]:
-    """The addresses a socket on this host listens on at `port`."""
-    found = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            address, hex_port = fields[1].split(":")
-            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                raw = bytes.fromhex(address)
-                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # per-word host order
-                found.append(str(ipaddress.ip_address(words)))
-    return found
+from varuna.comm.addresses import listening_on  # noqa: E402
 
 
 def store_report(path: Path) -> None:

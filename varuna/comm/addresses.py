@@ -31,7 +31,14 @@ from pathlib import Path
 
 from varuna.errors import LaunchError
 
-__all__ = ["network_stack", "outbound_ip", "interface_of", "interface_towards", "choose_gloo_interface"]
+__all__ = [
+    "network_stack",
+    "outbound_ip",
+    "interface_of",
+    "interface_towards",
+    "choose_gloo_interface",
+    "listening_on",
+]
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
 
@@ -152,3 +159,17 @@ def choose_gloo_interface(store_host: str) -> str | None:
     else:
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
     return chosen
+
+
+def listening_on(port: int) -> list[str]:
+    """The addresses a socket of this network stack listens on at `port` (from /proc/net/tcp, tcp6)."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # per-word host order
+                found.append(str(ipaddress.ip_address(words)))
+    return found

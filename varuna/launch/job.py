@@ -37,7 +37,7 @@ from varuna._files import write_json_atomic
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.hostfile import hostfile_slots
-from varuna.launch.pids import check_status, pid_alive
+from varuna.launch.pids import check_status, job_processes, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
 
 __all__ = [
@@ -320,16 +320,9 @@ class Job:
 
     def _job_pids(self) -> set[int]:
         """Live processes of this job on this host: by ``VARUNA_JOB_ID`` in /proc, else status files."""
-        tag = f"VARUNA_JOB_ID={self.job_id}".encode()
-        pids: set[int] = set()
+        pids: set[int]
         if Path("/proc/self/environ").exists():
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    try:
-                        if tag in (entry / "environ").read_bytes().split(b"\0"):
-                            pids.add(int(entry.name))
-                    except OSError:
-                        continue
+            pids = set(job_processes(self.job_id))
         else:  # no /proc: only the processes the status files still verifiably name
             pids = {
                 v.pid for v in map(check_status, read_reports(self.run_dir)[0].values()) if v.live and v.pid

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["identity", "pid_alive", "start_ticks", "boot_id", "Verdict", "check_status"]
+__all__ = ["identity", "pid_alive", "start_ticks", "boot_id", "Verdict", "check_status", "job_processes"]
 
 Kind = Literal["live", "dead", "reused", "remote", "unverified"]
 
@@ -118,3 +118,16 @@ def check_status(status: dict[str, Any]) -> Verdict:
             f"the rank at {recorded}): a stale status",
         )
     return Verdict("live", pid, f"{who} is pid {pid}")
+
+
+def job_processes(job_id: str) -> dict[int, list[str]]:
+    """pid -> argv of every process on this host whose environment carries ``VARUNA_JOB_ID=job_id``
+    (mpiexec, hydra's proxy, the ranks); empty without ``/proc``."""
+    tag, found = f"VARUNA_JOB_ID={job_id}".encode(), {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and tag in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+    return found
