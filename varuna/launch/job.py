@@ -234,6 +234,7 @@ class Job:
             full_env.update(dict.fromkeys(_ROOT_ENV, "1"))
         self._meta = {"argv": self.script_argv, "pipeline": self.pipeline, "data": self.data}
         self._meta |= {"world": self.world, "start": time.time(), "command": cmd, "job_id": self.job_id}
+        self._meta["hostfile"] = str(self.hostfile) if self.hostfile else None
         write_json_atomic(self.run_dir / "job.json", self._meta)
         self._console = open(self.run_dir / "logs" / "console.log", "ab")  # noqa: SIM115
         shape = f"pipeline {self.pipeline} x data {self.data}"
