@@ -78,6 +78,16 @@ def test_with_one_replica_each_stage_is_compared_with_its_own_history() -> None:
     assert out[0]["ratio"] == pytest.approx(2.033, abs=0.01)
 
 
+def test_with_one_replica_a_slowdown_of_every_stage_or_of_a_lone_rank_flags_nobody() -> None:
+    det = StragglerDetector(StragglerConfig(steps=2, skip_steps=1))
+    det.feed_all(hellos(["h1", "h2"], pipeline=2))
+    times = [[0.5, 0.9], [0.1, 0.3], [0.1, 0.3], [0.1, 0.3], [0.2, 0.6], [0.21, 0.6], [0.2, 0.62]]
+    assert det.feed_all(steps(times, pipeline=2)) == []  # the machine got busier: both stages slowed
+    alone = StragglerDetector(StragglerConfig(steps=2, skip_steps=0))
+    alone.feed_all(hellos(["h1"], pipeline=1))
+    assert alone.feed_all(steps([[0.1], [0.1], [0.1], [0.5], [0.5], [0.5]], pipeline=1)) == []
+
+
 def test_another_launchs_events_are_ignored() -> None:
     det = StragglerDetector(StragglerConfig(steps=1, skip_steps=0), job="new")
     det.feed_all(hellos(["a", "b"], pipeline=1, job="new"))

@@ -11,9 +11,11 @@ stage do the same work in every replica, so each is compared with the median of 
     step 7   stage 0: rank 0 0.10 s  rank 2 0.21 s   -> rank 2 at 2.1x the median of its peers
              stage 1: rank 1 0.12 s  rank 3 0.12 s
 
-With one replica (D = 1) a stage has no peers; each rank is then compared with the median of its
-own recent steps (those not judged slow), so a rank that slows down mid-run is caught, while one
-that is slow from its first step is not (nothing to compare it with; the planner's cost table is).
+With one replica (D = 1) a stage has no peers; each rank's step is then set against the median of
+its own recent steps (those not judged slow), and that relative time against the other stages'
+(their median): a stage that slows down mid-run is caught, a machine that slows down as a whole
+(every stage at once) is not a straggler, nor is a single rank, nor a stage slow from its first step
+(nothing to compare it with; the planner's cost table is).
 
 A rank at ``>= ratio`` x its baseline for ``steps`` consecutive steps is flagged (one ``straggler``
 event), and recovered after ``steps`` consecutive steps below (one ``straggler_gone``). The first
@@ -181,27 +183,33 @@ class StragglerDetector:
         by_stage: dict[int, dict[int, float]] = defaultdict(dict)
         for rank, (stage, compute) in by_rank.items():
             by_stage[stage][rank] = compute
-        out = []
+        ratios: dict[int, float] = {}
+        alone: dict[int, float] = {}  # ranks without peers: this step against their own history
         for rank, (stage, compute) in sorted(by_rank.items()):
             peers = [t for r, t in by_stage[stage].items() if r != rank]
             row = self._ranks[rank]
             if peers:
-                base = statistics.median(peers)
+                ratios[rank] = compute / base if (base := statistics.median(peers)) > 0 else 1.0
             elif len(row.history) >= self.config.min_history:
-                base = statistics.median(row.history)
+                alone[rank] = compute / base if (base := statistics.median(row.history)) > 0 else 1.0
             else:
-                row.history.append(compute)
-                continue
-            ratio = compute / base if base > 0 else 1.0
+                self._remember(row, compute)
+        for rank, own in alone.items():  # a slowdown of the whole machine or job is no one's straggling
+            others = [v for r, v in alone.items() if r != rank]
+            if others:
+                ratios[rank] = own / statistics.median(others)
+            else:
+                self._remember(self._ranks[rank], by_rank[rank][1])
+        out = []
+        for rank, ratio in sorted(ratios.items()):
+            row, compute = self._ranks[rank], by_rank[rank][1]
             if ratio >= self.config.ratio:
                 row.slow.append((step, ratio))
                 row.normal = 0
             else:
                 row.slow = []
                 row.normal += 1
-                row.history.append(compute)
-                while len(row.history) > self.config.history:
-                    row.history.popleft()
+                self._remember(row, compute)
             if row.flagged is None and len(row.slow) >= self.config.steps:
                 row.flagged = self._event("straggler", rank, row, step, last, row.slow[-self.config.steps :])
                 out.append(row.flagged)
@@ -211,6 +219,11 @@ class StragglerDetector:
                 )
                 row.flagged = None
         return out
+
+    def _remember(self, row: _Rank, compute: float) -> None:
+        row.history.append(compute)
+        while len(row.history) > self.config.history:
+            row.history.popleft()
 
     def _event(
         self, kind: str, rank: int, row: _Rank, step: int, last: dict[str, Any], slow: list[tuple[int, float]]
