@@ -1,4 +1,4 @@
-"""The straggler test's training script: controller_train.py's tiny GPT, one host's rank on a small core.
+"""The straggler test's training script: controller_train.py's tiny GPT on a larger batch, one host's rank on a small core.
 
     JobController.start([this, STEPS, PAUSE], ...)   with STRAGGLER_CGROUP="h2=NAME" in the environment
 
@@ -27,12 +27,13 @@ if group and socket.gethostname() == host:
         time.sleep(0.05)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transparency_common import GLOBAL_BATCH, MICRO_BATCH, build, dataset, optimizer  # noqa: E402
+from transparency_common import build, dataset, optimizer  # noqa: E402
 
 from varuna import Varuna  # noqa: E402
 from varuna.data import collate  # noqa: E402
 
 steps, pause = int(sys.argv[1]), float(sys.argv[2])
+GLOBAL_BATCH, MICRO_BATCH = 32, 4  # steps long enough (tens of ms) for the scheduler's slices to even out
 data = dataset("gpt")
 engine = Varuna(
     build("gpt"),
