@@ -158,3 +158,21 @@ def test_compute_grid_is_the_newest_launch_by_rank_and_step() -> None:
     grid = compute_grid(events)
     assert (grid.steps, grid.ranks, grid.hosts, grid.values) == ([1, 2], [0], {0: "h1"}, [[0.3, 0.4]])
     assert compute_grid(events, job="a").values == [[0.1], [0.2]]
+
+
+def test_exclusion_writes_the_runs_own_hostfile_and_names_bad_hosts(tmp_path: Path) -> None:
+    from varuna.launch.exclude import hostfile_for, write_without
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# cluster\nnode1:2\nnode2.cluster.local slots=2\nnode3\n")
+    assert hostfile_for(tmp_path, hosts) == hosts
+    path, slots = write_without(tmp_path, hosts, "node2")  # the short name matches the long one
+    assert (path.read_text(), slots) == ("# cluster\nnode1:2\nnode3\n", 3)
+    assert hostfile_for(tmp_path, hosts) == path  # later launches use the run's own
+    with pytest.raises(
+        ConfigError, match=r"exclude_host\('node9'\): the job's hostfile .* names node1, node3; give one"
+    ):
+        write_without(tmp_path, path, "node9")
+    (tmp_path / "one").write_text("node1:4\n")
+    with pytest.raises(ConfigError, match=r"no host would be left .* names only node1\); add hosts"):
+        write_without(tmp_path, tmp_path / "one", "node1")
