@@ -220,9 +220,7 @@ class SlurmCluster:
             time.sleep(0.2)
 
     def down(self) -> None:
-        """End every process of this cluster (jobs, steps, tasks, then the daemons); remove its files."""
-        jobs = {p for p in _processes_with(str(self.conf)) if p not in {q.pid for q in self.procs.values()}}
-        _kill(jobs, grace_s=5.0)
+        """End every process of this cluster (the daemons, then whatever of its jobs is left); remove its files."""
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
@@ -232,5 +230,5 @@ class SlurmCluster:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=10)
-        _kill(set(_processes_with(str(self.conf))), grace_s=2.0)  # slurmstepd and anything left
+        _kill(set(_processes_with(str(self.conf))), grace_s=2.0)  # salloc, srun, steps, tasks, slurmscriptd
         shutil.rmtree(self.dir, ignore_errors=True)

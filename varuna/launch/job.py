@@ -423,6 +423,7 @@ class Job:
                 deaths=self._deaths,
                 console=tail,
                 mpiexec_code=mpiexec_code,
+                launcher="srun" if self.slurm is not None else "mpiexec",
             )
         self.returncode = code
         for line in self.summary:
