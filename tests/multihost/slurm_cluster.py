@@ -1,8 +1,12 @@
 """A real one-node Slurm cluster for tests: munged, slurmctld and slurmd (Debian's slurm-wlm), as root.
 
     cluster = SlurmCluster().up()        # daemons started, the node idle in `sinfo`
-    subprocess.run(["salloc", "-n2", "--", ...], env=cluster.env(os.environ))
+    subprocess.run(cluster.client(["salloc", "-n2", "--", ...]), env=cluster.env(os.environ))
     cluster.down()                       # every daemon, allocation and task of it killed; files removed
+
+With `nodes` and `on_host` it is a cluster of namespace hosts (`netns_hosts.NetnsHosts`): slurmctld runs
+on the first, a slurmd on each (so each node's tasks live in its network stack and carry its name), and
+clients run on the first too; munged serves them all through its socket (a path, seen from every namespace).
 
 Everything of one cluster lives in its own directory (configuration, munge key and socket, state, logs)
 and listens on free ports, so it touches no system Slurm or munge and two test sessions do not meet.
@@ -20,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 __all__ = ["SlurmCluster", "slurm_unavailable", "SLURM_TOOLS"]
@@ -104,9 +108,18 @@ def remove_stale() -> None:
 class SlurmCluster:
     """One node (this machine, `cpus` CPUs) in one partition ``debug``; see the module docstring."""
 
-    def __init__(self, cpus: int = 2) -> None:
+    def __init__(
+        self,
+        cpus: int = 2,
+        nodes: Mapping[str, str] | None = None,
+        on_host: Callable[[str, list[str]], list[str]] | None = None,
+    ) -> None:
         self.cpus = cpus
-        self.node = socket.gethostname()
+        self.nodes = dict(nodes or {socket.gethostname(): "127.0.0.1"})
+        """Node name -> its address."""
+        self.node = next(iter(self.nodes))
+        """The controller's node, where `client` commands run."""
+        self._on_host = on_host or (lambda _host, argv: argv)
         self.dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
         self.dir.chmod(0o755)  # munged wants its socket's directory searchable by all
         self.conf = self.dir / "slurm.conf"
@@ -118,9 +131,13 @@ class SlurmCluster:
         clean = {k: v for k, v in base.items() if not k.startswith(("SLURM_", "SALLOC_", "SBATCH_", "SRUN_"))}
         return {**clean, "SLURM_CONF": str(self.conf)}
 
+    def client(self, argv: list[str]) -> list[str]:
+        """`argv` (salloc, sbatch, sinfo, ...) as run on the controller's node."""
+        return self._on_host(self.node, argv)
+
     def _write_config(self) -> None:
         d = self.dir
-        for sub in ("state", "spool", "log"):
+        for sub in ("state", "spool", "log", *(f"spool/{n}" for n in self.nodes)):
             (d / sub).mkdir()
         key = d / "munge.key"
         key.write_bytes(os.urandom(128))
@@ -131,7 +148,7 @@ class SlurmCluster:
             "\n".join(
                 [
                     f"ClusterName=varuna{os.getpid()}",
-                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    f"SlurmctldHost={self.node}({self.nodes[self.node]})",
                     f"SlurmctldPort={_free_port()}",
                     f"SlurmdPort={_free_port()}",
                     "SlurmUser=root",
@@ -140,11 +157,11 @@ class SlurmCluster:
                     "CredType=cred/munge",
                     f"AuthInfo=socket={d / 'munge.sock'}",
                     f"StateSaveLocation={d / 'state'}",
-                    f"SlurmdSpoolDir={d / 'spool'}",
+                    f"SlurmdSpoolDir={d / 'spool' / '%n'}",
                     f"SlurmctldPidFile={d / 'slurmctld.pid'}",
-                    f"SlurmdPidFile={d / 'slurmd.pid'}",
+                    f"SlurmdPidFile={d / 'slurmd.%n.pid'}",
                     f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-                    f"SlurmdLogFile={d / 'log' / 'slurmd.log'}",
+                    f"SlurmdLogFile={d / 'log' / 'slurmd.%n.log'}",
                     f"PlugStackConfig={d / 'plugstack.conf'}",
                     "ProctrackType=proctrack/linuxproc",
                     "TaskPlugin=task/none",
@@ -159,8 +176,11 @@ class SlurmCluster:
                     "MailProg=/bin/true",
                     "ReturnToService=2",
                     "KillWait=5",
-                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
-                    f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+                    *(
+                        f"NodeName={n} NodeAddr={a} CPUs={self.cpus} State=UNKNOWN"
+                        for n, a in self.nodes.items()
+                    ),
+                    f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
             )
@@ -195,9 +215,12 @@ class SlurmCluster:
                 f"--log-file={d / 'log' / 'munged.log'}",
             ])  # fmt: skip
             self._wait(lambda: (d / "munge.sock").exists(), timeout_s, "munged to make its socket")
-            self._start("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-            self._start("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
-            self._wait(self._idle, timeout_s, f"node {self.node} to be idle in sinfo")
+            self._start("slurmctld", self.client(["slurmctld", "-D", "-i", "-f", str(self.conf)]))
+            for node in self.nodes:
+                self._start(
+                    f"slurmd.{node}", self._on_host(node, ["slurmd", "-D", "-f", str(self.conf), "-N", node])
+                )
+            self._wait(self._idle, timeout_s, f"nodes {', '.join(self.nodes)} to be idle in sinfo")
         except BaseException:
             self.down()
             raise
@@ -208,9 +231,10 @@ class SlurmCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
         out = subprocess.run(
-            ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), capture_output=True, text=True, timeout=10
-        )
-        return out.stdout.strip() == "idle"
+            self.client(["sinfo", "-h", "-N", "-o", "%T"]), env=self.env(), capture_output=True, text=True,
+            timeout=10,
+        )  # fmt: skip
+        return out.stdout.split() == ["idle"] * len(self.nodes)
 
     def _wait(self, ready: object, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -221,7 +245,7 @@ class SlurmCluster:
 
     def down(self) -> None:
         """End every process of this cluster (the daemons, then whatever of its jobs is left); remove its files."""
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [*(f"slurmd.{n}" for n in self.nodes), "slurmctld", "munged"]:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.terminate()

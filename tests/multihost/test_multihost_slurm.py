@@ -6,6 +6,8 @@ here, as root, for this module; `slurm_cluster.SlurmCluster`).
   typed error, `--gpus 1` morphs the job to 1x1 inside the allocation; every loss equals plain training.
 - A shape beyond the allocation is refused before anything starts.
 - A rank that fails takes the step down (srun --kill-on-bad-exit) and is named first.
+- Two nodes: a Slurm of three namespace hosts (`netns_hosts`, a slurmd in each): a 2-node allocation runs
+  one stage per node, its ranks meet over the hosts' subnet, and the losses equal plain training.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from _helpers import REPO, SCRIPTS
+from netns_hosts import NetnsHosts
 from slurm_cluster import SlurmCluster, slurm_unavailable
 
 sys.path.insert(0, str(SCRIPTS))
@@ -42,6 +45,20 @@ def slurm() -> Iterator[SlurmCluster]:
         cluster.down()
 
 
+@pytest.fixture(scope="module")
+def slurm_hosts(hosts: NetnsHosts) -> Iterator[SlurmCluster]:
+    """A Slurm whose nodes are the namespace hosts h1, h2, h3 (slurmctld on h1), for the module."""
+    reason = slurm_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(cpus=2, nodes={h: hosts.address(h) for h in hosts.names}, on_host=hosts.command)
+    cluster.up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
 def _env(slurm: SlurmCluster) -> dict[str, str]:
     return slurm.env({**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
 
@@ -55,11 +72,6 @@ def _varuna(
     )  # fmt: skip
 
 
-def job_id(console: str) -> str:
-    """The Slurm job id in `varuna run`'s first line (``..., srun in Slurm job 7: 2 task slots ...``)."""
-    return console.split("srun in Slurm job ", 1)[1].split(":", 1)[0]
-
-
 def _records(out: Path) -> list[dict]:
     path = out / "losses.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -71,42 +83,41 @@ def test_multihost_slurm_sbatch_job_trains_and_resizes_inside_its_allocation(
     # 100 steps (~0.04 s each at 2x1): `varuna resize` (a fresh interpreter) lands well before the end
     run, out, steps = tmp_path / "run", tmp_path / "out", 100
     out.mkdir()
-    script = tmp_path / "job.sbatch"
-    script.write_text(
+    script, log, status = tmp_path / "job.sbatch", tmp_path / "slurm.out", tmp_path / "status"
+    script.write_text(  # the exit status in a file: `sbatch --wait` polls Slurm and returns ~25 s late
         "#!/bin/bash\n#SBATCH --ntasks=2\n"
-        f"exec {sys.executable} -m varuna run --elastic --pipeline 2 --run-dir {run} "
+        f"{sys.executable} -m varuna run --elastic --pipeline 2 --run-dir {run} "
         f"{SCRIPTS / 'morph_train.py'} {out} {steps} fp32\n"
+        f"echo $? > {status}.tmp && mv {status}.tmp {status}\n"
     )
-    log = tmp_path / "slurm.out"
-    job = subprocess.Popen(
-        ["sbatch", "--wait", f"--output={log}", str(script)], env=_env(slurm), cwd=tmp_path,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    submitted = subprocess.run(
+        slurm.client(["sbatch", "--parsable", f"--output={log}", str(script)]), env=_env(slurm), cwd=tmp_path,
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while len(_records(out)) < 2 and job.poll() is None and time.monotonic() < deadline:
+    assert submitted.returncode == 0, submitted.stderr
+    slurm_job = submitted.stdout.strip().split(";")[0]
+
+    def wait_for(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert time.monotonic() < deadline, f"{what}:\n{log.read_text()[-4000:] if log.exists() else ''}"
             time.sleep(0.1)
-        assert len(_records(out)) >= 2, f"no training steps:\n{log.read_text() if log.exists() else ''}"
-        asked = _varuna(slurm, "resize", str(run), "--gpus", "1", cwd=tmp_path)
-        assert asked.returncode == 0, asked.stderr
-        sbatch_out, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
+
+    wait_for(lambda: len(_records(out)) >= 2, 90, "no training steps")
+    asked = _varuna(slurm, "resize", str(run), "--gpus", "1", cwd=tmp_path)
+    assert asked.returncode == 0, asked.stderr
+    wait_for(status.exists, 120, "the job did not end")
     text = log.read_text()
-    assert job.returncode == 0, sbatch_out + text[-4000:]
+    assert status.read_text().strip() == "0", text[-4000:]
     for args in (["--gpus", "4"], ["-p", "2", "-d", "2"]):  # job.json keeps the allocation: 2 slots
         refused = _varuna(slurm, "resize", str(run), *args, "--no-signal", cwd=tmp_path)
         assert refused.returncode == 2, refused.stderr
-        assert (
-            f"needs 4 ranks but Slurm job {job_id(text)}: 2 task slots on {slurm.node} (2)" in refused.stderr
-        )
+        assert f"needs 4 ranks but Slurm job {slurm_job}: 2 task slots on {slurm.node} (2)" in refused.stderr
     meta = json.loads((run / "job.json").read_text())
     assert meta["launcher"] == "srun" and Path(meta["command"][0]).name == "srun"
     assert meta["slurm"]["hosts"] == [slurm.node] and meta["slurm"]["tasks"] == [2]
-    assert (
-        json.loads((run / "rendezvous.json").read_text())["job_id"] == meta["job_id"]
-    )  # met through run dir
+    met = json.loads((run / "rendezvous.json").read_text())  # the ranks met through the run dir
+    assert met["job_id"] == meta["job_id"]
     assert "srun in Slurm job" in text and "morphing 2x1 -> 1x1" in text
     records = _records(out)
     assert [r["step"] for r in records] == list(range(steps))
@@ -120,8 +131,8 @@ def test_multihost_slurm_sbatch_job_trains_and_resizes_inside_its_allocation(
 
 def test_multihost_slurm_shape_beyond_the_allocation_is_refused(slurm: SlurmCluster, tmp_path: Path) -> None:
     done = subprocess.run(
-        ["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2", "-d", "2",
-         "--run-dir", str(tmp_path / "run"), "-m", "varuna.demo"],
+        slurm.client(["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2", "-d", "2",
+         "--run-dir", str(tmp_path / "run"), "-m", "varuna.demo"]),
         env=_env(slurm), cwd=tmp_path, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
@@ -133,11 +144,35 @@ def test_multihost_slurm_shape_beyond_the_allocation_is_refused(slurm: SlurmClus
 def test_multihost_slurm_failing_rank_ends_the_step_and_is_named(slurm: SlurmCluster, tmp_path: Path) -> None:
     started = time.monotonic()
     done = subprocess.run(
-        ["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2",
-         "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "launch_fail.py"), "raise"],
+        slurm.client(["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2",
+         "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "launch_fail.py"), "raise"]),
         env=_env(slurm), cwd=tmp_path, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("varuna: rank")]
     assert said[0].startswith("varuna: rank 1 (stage 1, replica 0) failed: ValueError: boom"), said
     assert time.monotonic() - started < 60  # rank 0 sat in a barrier for 120 s: srun ended it
+
+
+def test_multihost_slurm_two_node_allocation_runs_a_stage_per_node(
+    slurm_hosts: SlurmCluster, hosts: NetnsHosts, tmp_path: Path
+) -> None:
+    run, out, steps = tmp_path / "run", tmp_path / "out", 8
+    out.mkdir()
+    done = subprocess.run(
+        slurm_hosts.client(["salloc", "--nodes=2", "--ntasks-per-node=1", "--", sys.executable, "-m", "varuna",
+         "run", "-p", "2", "--run-dir", str(run), str(SCRIPTS / "morph_train.py"), str(out), str(steps), "fp32"]),
+        env=_env(slurm_hosts), cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    allocated = json.loads((run / "job.json").read_text())["slurm"]["hosts"]
+    assert len(allocated) == 2 and set(allocated) <= set(hosts.names)
+    ran_on = [json.loads((run / "status" / f"rank{r}.json").read_text())["host"] for r in (0, 1)]
+    assert ran_on == allocated  # stage 0 on the first node, stage 1 on the second
+    assert json.loads((run / "rendezvous.json").read_text())["host"] == hosts.address(allocated[0])
+    records = _records(out)
+    assert [r["step"] for r in records] == list(range(steps))
+    ref_losses, _ = reference("gpt", steps=steps)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in records]), torch.tensor(ref_losses), rtol=1e-5, atol=0
+    )
