@@ -5,7 +5,8 @@ here, as root, for this module; `slurm_cluster.SlurmCluster`).
   the run directory; `varuna resize --gpus 4` (and `-p 2 -d 2`) beyond the 2 slots are refused with a
   typed error, `--gpus 1` morphs the job to 1x1 inside the allocation; every loss equals plain training.
 - A shape beyond the allocation is refused before anything starts.
-- A rank that fails takes the step down (srun --kill-on-bad-exit) and is named first.
+- A rank that fails takes the step down (srun --kill-on-bad-exit) and is named first; a SIGTERM to
+  `varuna run` reaches the ranks (scancel), which checkpoint before they stop.
 - Two nodes: a Slurm of three namespace hosts (`netns_hosts`, a slurmd in each): a 2-node allocation runs
   one stage per node, its ranks meet over the hosts' subnet, and the losses equal plain training.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -152,6 +154,48 @@ def test_multihost_slurm_failing_rank_ends_the_step_and_is_named(slurm: SlurmClu
     said = [line for line in done.stderr.splitlines() if line.startswith("varuna: rank")]
     assert said[0].startswith("varuna: rank 1 (stage 1, replica 0) failed: ValueError: boom"), said
     assert time.monotonic() - started < 60  # rank 0 sat in a barrier for 120 s: srun ended it
+
+
+def _launcher_pid(run: Path) -> int | None:
+    """The `python -m varuna run ... --run-dir RUN` process (not salloc, which names it too)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[:4] == [sys.executable, "-m", "varuna", "run"] and str(run) in argv:
+            return int(entry.name)
+    return None
+
+
+def test_multihost_slurm_sigterm_reaches_the_ranks_which_checkpoint(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    job = subprocess.Popen(
+        slurm.client(["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2",
+         "--run-dir", str(run), str(SCRIPTS / "morph_train.py"), str(out), "100000", "fp32"]),
+        env=_env(slurm), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while len(_records(out)) < 2 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        launcher = _launcher_pid(run)
+        assert launcher is not None and len(_records(out)) >= 2, job.poll()
+        os.kill(launcher, signal.SIGTERM)
+        text, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 128 + signal.SIGTERM, text[-4000:]
+    assert "varuna: job stopped by SIGTERM" in text and "stop requested (SIGTERM); checkpointed step" in text
+    statuses = [json.loads((run / "status" / f"rank{r}.json").read_text())["state"] for r in (0, 1)]
+    assert statuses == ["morph", "morph"]  # both checkpointed and left cleanly, none killed
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{len(_records(out)):08d}"
 
 
 def test_multihost_slurm_two_node_allocation_runs_a_stage_per_node(

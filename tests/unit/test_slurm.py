@@ -21,6 +21,7 @@ from varuna.launch.slurm import (
     check_resize,
     launch_allocation,
     recorded_allocation,
+    signal_step,
     srun_command,
 )
 
@@ -132,3 +133,16 @@ def test_srun_tasks_need_the_run_dir_and_job_id() -> None:
             rendezvous._srun_store(rendezvous._timeout(5.0))
     with patched_environ({"VARUNA_LAUNCHER": None, "SLURM_PROCID": "0"}):  # an sbatch script's own shell
         assert not rendezvous._under_srun()
+
+
+def test_a_stop_goes_to_the_step_only_once_rank_0_named_it(tmp_path: Path) -> None:
+    fake = tmp_path / "scancel"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "said"}\n')
+    fake.chmod(0o755)
+    env = {"PATH": str(tmp_path)}
+    assert not signal_step(tmp_path, "now", 15, env)  # no rendezvous.json yet: the caller signals srun
+    (tmp_path / "rendezvous.json").write_text(json.dumps({"job_id": "earlier", "slurm_step": "7.0"}))
+    assert not signal_step(tmp_path, "now", 15, env)  # another launch's step
+    (tmp_path / "rendezvous.json").write_text(json.dumps({"job_id": "now", "slurm_step": "7.1"}))
+    assert signal_step(tmp_path, "now", 15, env)
+    assert (tmp_path / "said").read_text().split() == ["--signal=TERM", "7.1"]

@@ -369,7 +369,9 @@ def _srun_store(timeout: timedelta) -> tuple[Any, int, int, int]:
     if rank == 0:
         host = "127.0.0.1" if one_host else outbound_ip(nodes)
         store = _server_store(host, timeout)
-        write_json_atomic(path, {"job_id": job_id, "host": host, "port": int(store.port), "world": size})
+        step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
+        record = {"job_id": job_id, "host": host, "port": int(store.port), "world": size, "slurm_step": step}
+        write_json_atomic(path, record)  # the step lets the launcher signal every task (scancel)
     else:
         host, port = _await_address(path, job_id, rank, wait_s)
         store = _store_client(host, port, rank, wait_s, f"read from {path}")

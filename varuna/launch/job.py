@@ -39,7 +39,7 @@ from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.pids import check_status, job_processes, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
-from varuna.launch.slurm import check_fits, launch_allocation, srun_command
+from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun_command
 
 __all__ = [
     "Job", "run_job", "mpiexec_command", "find_mpiexec", "launcher_args", "mpi_flavor", "read_reports",
@@ -322,10 +322,10 @@ class Job:
         if self._stop_signal is None:
             self._stop_signal = signum
             self._kill_at = time.monotonic() + self.grace_s
-            if self.slurm is not None and signum == signal.SIGINT:
-                signum = signal.SIGTERM  # srun takes one SIGINT as "print the tasks' state"; it forwards TERM
+            if self.slurm is not None and signal_step(self.run_dir, self.job_id, signum):
+                return  # every task got it (scancel); srun would answer SIGTERM with SIGKILL
             try:
-                os.killpg(self._proc.pid, signum)
+                os.killpg(self._proc.pid, signum)  # srun: ranks not started yet, or no scancel
             except ProcessLookupError:
                 pass
         else:

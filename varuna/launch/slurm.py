@@ -13,6 +13,8 @@ starts its P x D ranks as one job step::
 - ``--mpi=none``: the ranks meet through the run directory, not MPI (`varuna.comm.rendezvous`), so no
   PMI plugin or MPI build has to match the cluster's.
 - ``--kill-on-bad-exit``: a failing rank takes the step down at once, as mpiexec does.
+- A stop (Ctrl-C, SIGTERM, ``--timeout``) reaches every task through ``scancel --signal`` (`signal_step`),
+  so the ranks checkpoint on SIGTERM as under mpiexec; srun itself would turn SIGTERM into SIGKILL.
 - ``VARUNA_LAUNCHER=mpiexec`` keeps mpiexec inside an allocation, ``VARUNA_LAUNCHER=srun`` insists on
   srun; ``VARUNA_SRUN`` names the srun binary, ``VARUNA_SRUN_ARGS`` adds options (``--gpus-per-task=1``).
 """
@@ -21,8 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
+import signal
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +38,7 @@ from varuna.errors import ConfigError, LaunchError
 
 __all__ = [
     "Allocation", "allocation", "launch_allocation", "check_fits", "srun_command", "find_srun",
-    "recorded_allocation", "check_resize",
+    "recorded_allocation", "check_resize", "signal_step",
 ]  # fmt: skip
 
 _LAUNCHERS = ("srun", "mpiexec")
@@ -151,6 +156,31 @@ def srun_command(n: int, argv: list[str], env: Mapping[str, str] | None = None) 
     env = os.environ if env is None else env
     flags = ["--kill-on-bad-exit=1", "--mpi=none", "--export=ALL", "--unbuffered"]
     return [find_srun(env), *_srun_args(env), f"--ntasks={n}", *flags, *argv]
+
+
+def signal_step(run_dir: Path, job_id: str, signum: int, env: Mapping[str, str] | None = None) -> bool:
+    """Send `signum` to every task of launch `job_id`'s step, on every node (``scancel --signal``);
+    False when the step is not known yet (rank 0 writes it to RUN_DIR/rendezvous.json) or scancel fails.
+
+    srun itself is no messenger for a stop: it answers SIGTERM by killing the tasks (SIGKILL) and a
+    single SIGINT by printing their state, while the ranks should checkpoint on SIGTERM.
+    """
+    try:
+        record = json.loads((Path(run_dir) / "rendezvous.json").read_text())
+    except (OSError, ValueError):
+        return False
+    step = str(record.get("slurm_step", "")) if record.get("job_id") == job_id else ""
+    scancel = shutil.which("scancel", path=(os.environ if env is None else env).get("PATH"))
+    if not re.fullmatch(r"\d+(_\d+)?\.\d+", step) or scancel is None:
+        return False
+    try:
+        done = subprocess.run(
+            [scancel, f"--signal={signal.Signals(signum).name.removeprefix('SIG')}", step],
+            env=None if env is None else dict(env), capture_output=True, timeout=10, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def recorded_allocation(run_dir: Path) -> Allocation | None:
