@@ -31,6 +31,8 @@ from slurm_cluster import SlurmCluster, slurm_unavailable
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import reference  # noqa: E402
 
+from varuna._slurm import expand_hostlist  # noqa: E402
+
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(150)]
 
 
@@ -220,3 +222,13 @@ def test_multihost_slurm_two_node_allocation_runs_a_stage_per_node(
     torch.testing.assert_close(
         torch.tensor([r["loss"] for r in records]), torch.tensor(ref_losses), rtol=1e-5, atol=0
     )
+
+
+def test_multihost_slurm_hostlists_read_as_scontrol_reads_them(slurm: SlurmCluster) -> None:
+    for text in ("vm", "node[01-03,07],gpu5", "r[1-2]n[1-2],a,b[09-11]", "n[8-10]"):
+        said = subprocess.run(
+            slurm.client(["scontrol", "show", "hostnames", text]), env=_env(slurm), capture_output=True,
+            text=True, timeout=30,
+        )  # fmt: skip
+        assert said.returncode == 0, said.stderr
+        assert expand_hostlist(text) == said.stdout.split(), text
