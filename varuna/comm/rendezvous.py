@@ -385,8 +385,8 @@ def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
     """Initialise torch.distributed for this process and return ``(rank, world_size)``.
 
     Under an MPI launch the ranks meet through mpi4py, under ``srun`` through the run directory (see
-    the module docstring); otherwise this is
-    a one-process group on loopback, so single-process code paths use the same collectives. A
+    the module docstring); otherwise this is a one-process group on loopback, so single-process code
+    paths use the same collectives. A
     torchrun-style environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) is
     honoured too. Idempotent. ``timeout_s`` defaults to ``VARUNA_TIMEOUT`` or 120 s.
 
