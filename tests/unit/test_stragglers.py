@@ -176,3 +176,26 @@ def test_exclusion_writes_the_runs_own_hostfile_and_names_bad_hosts(tmp_path: Pa
     (tmp_path / "one").write_text("node1:4\n")
     with pytest.raises(ConfigError, match=r"no host would be left .* names only node1\); add hosts"):
         write_without(tmp_path, tmp_path / "one", "node1")
+
+
+def test_the_controller_reads_the_watchs_events_and_draws_the_grid_from_its_store(tmp_path: Path) -> None:
+    from varuna.controller import JobController
+    from varuna.errors import LaunchError
+
+    ctl = JobController(tmp_path)
+    try:
+        events = hellos(["h1", "h2"], pipeline=1) + steps([[0.1, 0.3], [0.1, 0.31]], pipeline=1)
+        for seq, event in enumerate(events, 1):
+            ctl.store.add(event | {"time": 1.0, "seq": seq})
+        grid = ctl.compute_grid()
+        assert (grid.ranks, grid.steps, grid.hosts) == ([0, 1], [0, 1], {0: "h1", 1: "h2"})
+        assert grid.values == [[0.1, 0.1], [0.3, 0.31]]
+        (tmp_path / "events").mkdir()
+        flag = {"type": "straggler", "rank": 1, "host": "h2", "job": "j1", "id": "x", "time": 2.0}
+        _append(tmp_path / "events" / "stragglers.jsonl", [flag])
+        assert ctl.stragglers() == []  # no launch of this controller's: nothing is current
+        assert [e["id"] for e in ctl.store.events("straggler")] == ["x"]  # but the event was read
+        with pytest.raises(LaunchError, match=r"exclude_host\(\) needs a running job"):
+            ctl.exclude_host("h2")
+    finally:
+        ctl.close()
