@@ -199,3 +199,12 @@ def test_the_controller_reads_the_watchs_events_and_draws_the_grid_from_its_stor
             ctl.exclude_host("h2")
     finally:
         ctl.close()
+
+
+def test_a_bad_threshold_fails_the_launch_before_it_starts(tmp_path: Path) -> None:
+    from varuna.launch.job import Job
+
+    with pytest.raises(ConfigError, match=r"VARUNA_STRAGGLER_STEPS must be a whole number, got '3.5'"):
+        Job([__file__], pipeline=1, data=1, run_dir=tmp_path, extra_env={"VARUNA_STRAGGLER_STEPS": "3.5"})
+    job = Job([__file__], pipeline=1, data=1, run_dir=tmp_path, extra_env={"VARUNA_STRAGGLER": "0"})
+    assert job._straggler_config is None
