@@ -1,0 +1,149 @@
+"""Jobs across hosts: where the controller listens, which host died, and the hosts left after it.
+
+    hostfile h2:2 h3:2  ──> controller_interface ──> 10.0.0.1 (the address routing to h2), not 127.0.0.1
+    ranks' heartbeats   ──> dead_hosts            ──> ["h3"]  every rank on h3 silent >= dead_after_s
+    agent               ──> hostfile_without      ──> RUN_DIR/agent/hosts-2: h2:2   relaunch there
+
+A one-host job keeps the controller on loopback. Once the hostfile names another host the ranks
+there must reach the controller's sockets, so it binds the local address the kernel would route
+toward the first remote host (`varuna.comm.addresses.outbound_ip`; ``VARUNA_MASTER_ADDR`` overrides).
+Messages stay signed with the job's key either way.
+
+A host is taken for dead when every rank of the running launch on it has been silent (no heartbeat,
+no event; `varuna.telemetry.heartbeat`) for ``dead_after_s`` seconds while another host's ranks still
+speak, or when it no longer answers at all after the launch failed: ranks killed, host powered
+off, link down all look the same from the controller. Only jobs on two hosts or more are watched:
+a one-host job that goes silent has nobody left to relaunch on.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from varuna._files import write_json_atomic
+from varuna.comm.addresses import _addresses, outbound_ip
+from varuna.errors import ConfigError
+from varuna.launch.hostfile import hostfile_hosts
+from varuna.telemetry.heartbeat import Liveness
+
+__all__ = [
+    "LOOPBACK",
+    "DEFAULT_DEAD_AFTER_S",
+    "remote_hosts",
+    "controller_interface",
+    "dead_hosts",
+    "hostfile_without",
+    "check_dead_after",
+    "HostWatch",
+]
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_DEAD_AFTER_S = 5.0
+"""Heartbeats come every second: five missed in a row from every rank of a host is a dead host."""
+
+
+def _is_local(name: str) -> bool:
+    """Whether `name` is this host: its own name, localhost, or an address held or looped back here."""
+    if name in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        return False  # mpiexec will say it cannot resolve it; not ours to decide
+    try:
+        if ipaddress.ip_address(address).is_loopback:
+            return True
+    except ValueError:
+        return False
+    return address in _addresses().values()
+
+
+def remote_hosts(names: Iterable[str]) -> list[str]:
+    """The names in `names` (in order, once each) that are other hosts than this one."""
+    return [name for name in dict.fromkeys(names) if not _is_local(name)]
+
+
+def controller_interface(hostfile: Path | None) -> str:
+    """The address the controller binds for a job on `hostfile`: loopback when every host of the
+    hostfile is this one (or there is none), else the address that routes toward its first remote host."""
+    if hostfile is None:
+        return LOOPBACK
+    others = remote_hosts(hostfile_hosts(hostfile))
+    return outbound_ip(others) if others else LOOPBACK
+
+
+def check_dead_after(value: object) -> float:
+    """``dead_after_s`` as a float, or a ConfigError that says what to give."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(
+            f"dead_after_s must be a number of seconds > 0 (a host whose ranks are all silent that long "
+            f"is taken for dead), got {value!r}"
+        )
+    return float(value)
+
+
+def dead_hosts(placement: Mapping[int, str], silent_s: Mapping[int, float], dead_after_s: float) -> list[str]:
+    """Hosts all of whose ranks have been silent for `dead_after_s` seconds or more, while some
+    other host's rank was heard from more recently (else the controller itself may be cut off).
+
+    `placement` is rank -> host of the running launch, `silent_s` rank -> seconds since last heard
+    (ranks never heard from are left out: they may still be starting).
+
+    >>> dead_hosts({0: "h2", 1: "h2", 2: "h3", 3: "h3"}, {0: 0.4, 1: 0.9, 2: 6.0, 3: 5.5}, 5.0)
+    ['h3']
+    """
+    by_host: dict[str, list[float]] = {}
+    for rank, host in placement.items():
+        by_host.setdefault(host, []).append(silent_s.get(rank, 0.0))
+    if len(by_host) < 2:
+        return []
+    quiet = [h for h, waits in by_host.items() if min(waits) >= dead_after_s]
+    return quiet if len(quiet) < len(by_host) else []
+
+
+def hostfile_without(hostfile: Path, lost: Iterable[str], folder: Path) -> Path:
+    """A copy of `hostfile` without the hosts in `lost`, written to `folder` (``hosts-N``, N = the
+    slots left), with a JSON note of what was dropped; a ConfigError when no host is left."""
+    gone = set(lost)
+    left = {h: n for h, n in hostfile_hosts(hostfile).items() if h not in gone}
+    if not left:
+        raise ConfigError(
+            f"no host of {hostfile} is left after losing {', '.join(sorted(gone))}: add hosts to the "
+            "hostfile (or bring them back) and resume()"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"hosts-{sum(left.values())}"
+    path.write_text("".join(f"{h}:{n}\n" for h, n in left.items()))
+    write_json_atomic(folder / "hosts-lost.json", {"from": str(hostfile), "lost": sorted(gone), "left": left})
+    return path
+
+
+class HostWatch:
+    """The controller's watch for dead hosts: every event is a sign of life (`see`); `check` names the
+    hosts of the running launch newly taken for dead, once each per launch."""
+
+    def __init__(self, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> None:
+        self.dead_after_s = check_dead_after(dead_after_s)
+        self.liveness = Liveness(self.dead_after_s)
+        self._reported: set[tuple[Any, str]] = set()
+
+    def see(self, event: dict[str, Any]) -> None:
+        """Note an event that just arrived."""
+        self.liveness.see(event)
+
+    def check(self, job: Any, placement: Mapping[int, str]) -> list[tuple[str, list[int], float]]:
+        """(host, its ranks, seconds silent) for each host of launch `job` found dead since the last
+        call; `placement` is rank -> host (from the ranks' hello events)."""
+        self.liveness.silent_after_s = self.dead_after_s
+        silent = {s.rank: s.silent_s for s in self.liveness.silent(job)}
+        found = []
+        for host in dead_hosts(placement, silent, self.dead_after_s):
+            if (job, host) not in self._reported:
+                self._reported.add((job, host))
+                ranks = sorted(r for r, h in placement.items() if h == host)
+                found.append((host, ranks, min(silent[r] for r in ranks)))
+        return found
