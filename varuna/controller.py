@@ -14,9 +14,11 @@ The job does not live in this process: `start` hands it to its own supervisor pr
 kernel that crashes or restarts takes nothing with it. This process talks to the agent through files in
 the run directory (the agent's state and notes; the intents it writes) and to the ranks over ZeroMQ:
 they PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for commands (bound
-to loopback unless `interface=` says otherwise; see varuna.telemetry.events). The key reaches the agent
-and the ranks in their environment only, kept for `attach` in controller.json (0600). A thread notes
-`rank_silent`/`rank_back` as ranks' heartbeats stop and resume (varuna.telemetry.heartbeat). No Jupyter here.
+to loopback, or when the hostfile names other hosts to the address routing toward them, unless `interface=`
+says otherwise; see varuna.telemetry.events). The key reaches the agent and the ranks in their environment
+only, kept for `attach` in controller.json (0600). A thread notes `rank_silent`/`rank_back` as ranks'
+heartbeats stop and resume (varuna.telemetry.heartbeat); another `host_dead` when every rank of a host
+went silent, and the agent relaunches without it (varuna.elastic.hosts; `error` names the host). No Jupyter here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import zmq
 
 from varuna.elastic import agent as _agent
 from varuna.elastic.agent import legacy_state
-from varuna.elastic.hosts import HostWatch, controller_interface
+from varuna.elastic.hosts import HostWatch, controller_interface, host_down
 from varuna.elastic.protocol import request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
 from varuna.errors import ConfigError, LaunchError
@@ -60,8 +62,7 @@ class JobController(StoreViews):
         silent_after_s: float = DEFAULT_SILENT_AFTER_S,
     ) -> None:  # fmt: skip
         self.liveness = Liveness(silent_after_s)  # validates silent_after_s first
-        self.hosts = HostWatch()
-        """Which host of the running launch went silent (`dead_after_s`, 5 s): reported, relaunched without."""
+        self.hosts = HostWatch()  # a host of the launch silent for hosts.dead_after_s (5 s) is dead
         self.run_dir = Path(run_dir).absolute()
         self.interface = interface
         """Where the sockets bind; None: loopback, or toward the hosts of a hostfile naming others."""
@@ -94,19 +95,19 @@ class JobController(StoreViews):
         self.events_address = self._channel.events_address
         self.commands_address = self._channel.commands_address
         self._spawn(lambda: watch_silence(self.silent_ranks, self._note, self._closing))
-        self._spawn(self._watch_hosts)
+        self._spawn(lambda: self.hosts.watch(self._running_hellos, self._host_dead, self._closing))
 
-    def _watch_hosts(self) -> None:
+    def _running_hellos(self) -> tuple[str, list[dict[str, Any]]] | None:
+        job = self.job
+        if job is None or job.code is not None:
+            return None
+        return job.job_id, self.store.events("hello", job=job.job_id)
+
+    def _host_dead(self, job: str, host: str, ranks: list[int], silent_s: float) -> None:
         """A host whose ranks all went silent: a `host_dead` event, and the agent relaunches without it."""
-        while not self._closing.wait(0.25):
-            job = self.job
-            if job is None or job.code is not None:
-                continue
-            placement = {e["rank"]: e["host"] for e in self.store.events("hello", job=job.job_id)}
-            for host, ranks, silent_s in self.hosts.check(job.job_id, placement):
-                self._note("host_dead", host=host, how="silent", ranks=ranks, silent_s=round(silent_s, 1),
-                           reason=f"no word from any rank on {host} for {silent_s:.1f} s")  # fmt: skip
-                self._intent("host_lost", hosts=[host], job=job.job_id)
+        self._note("host_dead", host=host, how="silent", ranks=ranks, silent_s=round(silent_s, 1),
+                   reason=f"no word from any rank on {host} for {silent_s:.1f} s")  # fmt: skip
+        self._intent("host_lost", hosts=[host], job=job)
 
     def _on_event(self, event: dict[str, Any]) -> None:
         self.liveness.see(event)
@@ -127,14 +128,8 @@ class JobController(StoreViews):
     def _note(self, kind: str, **fields: Any) -> None:
         """An event of the controller's own, stored and logged to events/controller.jsonl."""
         job = self._order[-1] if self._order else None
-        event = {
-            "type": kind,
-            "rank": None,
-            "time": time.time(),
-            "job": job,
-            "id": uuid.uuid4().hex,
-            **fields,
-        }
+        event = {"type": kind, "rank": None, "time": time.time(), "job": job, "id": uuid.uuid4().hex,
+                 **fields}  # fmt: skip
         self._add(event)
         log = _events.EventLog(self.run_dir / "events" / "controller.jsonl")
         log.write(event)
@@ -143,10 +138,7 @@ class JobController(StoreViews):
     def _add(self, event: dict[str, Any]) -> None:
         """Store one of the controller's or the agent's notes; a dead host becomes the `error`."""
         self.store.add(event)
-        if event.get("type") == "host_dead":
-            self.error = (
-                f"host {event.get('host')} is down ({event.get('reason')}); ranks {event.get('ranks')}"
-            )
+        self.error = host_down(event) or self.error
 
     def _pump(self) -> None:
         """Bring in what the agent wrote since the last call: its state, notes and the console; the

@@ -62,9 +62,11 @@ def rank0_steps(run_dir: Path) -> list[list[float]]:
 def steer(ctl: JobController, report: dict, steps: int) -> None:
     running(ctl, report, "first")
     report["address"] = [ctl.events_address, ctl.commands_address]
-    report["beating"] = sorted(r for r, a in ctl.liveness.actions().items() if a) if wait_for(
-        lambda: len([a for a in ctl.liveness.actions().values() if a]) == 4, 10
-    ) else sorted(ctl.liveness.actions())
+    report["beating"] = (
+        sorted(r for r, a in ctl.liveness.actions().items() if a)
+        if wait_for(lambda: len([a for a in ctl.liveness.actions().values() if a]) == 4, 10)
+        else sorted(ctl.liveness.actions())
+    )
     wait_for(lambda: steps_by(ctl) >= 1, 30)
     done = ctl.checkpoint(timeout=30)
     report["checkpoint"] = sorted([e["rank"], e["saved_step"]] for e in done)
@@ -94,7 +96,10 @@ def lose(ctl: JobController, report: dict, fault: list[str]) -> None:
     report["detected_s"] = round(dead[0]["time"] - fault_at, 2) if dead else None
     report["error"] = ctl.error
     wait_for(lambda: ctl.job is not first, 60)
-    report["dropped"] = [{k: e.get(k) for k in ("lost", "slots", "pipeline", "data")} for e in ctl.store.events("hosts_dropped")]
+    report["dropped"] = [
+        {k: e.get(k) for k in ("lost", "slots", "pipeline", "data")}
+        for e in ctl.store.events("hosts_dropped")
+    ]
     running(ctl, report, "relaunched")
     report["relaunched_s"] = round(time.time() - fault_at, 2)
     at = steps_by(ctl)

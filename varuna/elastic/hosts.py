@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,6 @@ from varuna._files import write_json_atomic
 from varuna.comm.addresses import _addresses, outbound_ip
 from varuna.errors import ConfigError
 from varuna.launch.hostfile import hostfile_hosts
-from varuna.telemetry.heartbeat import Liveness
 
 __all__ = [
     "LOOPBACK",
@@ -39,6 +40,7 @@ __all__ = [
     "hostfile_without",
     "check_dead_after",
     "HostWatch",
+    "host_down",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -122,24 +124,48 @@ def hostfile_without(hostfile: Path, lost: Iterable[str], folder: Path) -> Path:
     return path
 
 
+def host_down(event: dict[str, Any]) -> str | None:
+    """What a ``host_dead`` event says for people (the controller's `error`), else None."""
+    if event.get("type") != "host_dead":
+        return None
+    return f"host {event.get('host')} is down: {event.get('reason')}; its ranks {event.get('ranks')}"
+
+
 class HostWatch:
     """The controller's watch for dead hosts: every event is a sign of life (`see`); `check` names the
-    hosts of the running launch newly taken for dead, once each per launch."""
+    hosts of the running launch newly taken for dead, once each per launch. Times are this process's
+    monotonic clock at arrival, as for `varuna.telemetry.heartbeat.Liveness`."""
 
     def __init__(self, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> None:
         self.dead_after_s = check_dead_after(dead_after_s)
-        self.liveness = Liveness(self.dead_after_s)
+        self._seen: dict[tuple[Any, int], float] = {}  # (job, rank) -> last heard
+        self._gone: set[tuple[Any, int]] = set()  # said it exits: not expected to speak again
         self._reported: set[tuple[Any, str]] = set()
+        self._lock = threading.Lock()
 
-    def see(self, event: dict[str, Any]) -> None:
-        """Note an event that just arrived."""
-        self.liveness.see(event)
+    def see(self, event: dict[str, Any], now: float | None = None) -> None:
+        """Note an event that just arrived (events without an int rank are ignored)."""
+        rank, kind = event.get("rank"), event.get("type")
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            return
+        key = (event.get("job"), rank)
+        with self._lock:
+            self._seen[key] = time.monotonic() if now is None else now
+            if kind == "exit" or (kind == "heartbeat" and event.get("action") == "exited"):
+                self._gone.add(key)
 
-    def check(self, job: Any, placement: Mapping[int, str]) -> list[tuple[str, list[int], float]]:
+    def check(
+        self, job: Any, placement: Mapping[int, str], now: float | None = None
+    ) -> list[tuple[str, list[int], float]]:
         """(host, its ranks, seconds silent) for each host of launch `job` found dead since the last
         call; `placement` is rank -> host (from the ranks' hello events)."""
-        self.liveness.silent_after_s = self.dead_after_s
-        silent = {s.rank: s.silent_s for s in self.liveness.silent(job)}
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            silent = {
+                rank: now - at
+                for (j, rank), at in self._seen.items()
+                if j == job and (j, rank) not in self._gone
+            }
         found = []
         for host in dead_hosts(placement, silent, self.dead_after_s):
             if (job, host) not in self._reported:
@@ -147,3 +173,21 @@ class HostWatch:
                 ranks = sorted(r for r, h in placement.items() if h == host)
                 found.append((host, ranks, min(silent[r] for r in ranks)))
         return found
+
+    def watch(
+        self,
+        launch: Callable[[], tuple[Any, list[dict[str, Any]]] | None],
+        report: Callable[[Any, str, list[int], float], None],
+        closing: threading.Event,
+    ) -> None:
+        """Until `closing`, four times a second: `report(job, host, ranks, silent_s)` for each newly
+        dead host of the running launch; `launch()` gives its job id and its ranks' hello events (None
+        while no launch runs)."""
+        while not closing.wait(0.25):
+            current = launch()
+            if current is None:
+                continue
+            job, hellos = current
+            placement = {e["rank"]: e["host"] for e in hellos if isinstance(e.get("host"), str)}
+            for host, ranks, silent_s in self.check(job, placement):
+                report(job, host, ranks, silent_s)
