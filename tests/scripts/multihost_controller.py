@@ -38,7 +38,7 @@ def steps_by(ctl: JobController) -> int:
 def running(ctl: JobController, report: dict, key: str, timeout: float = 60) -> None:
     state = ctl.wait(timeout, states=("running", "failed", "finished", "stopped"))
     if state != "running":
-        report["error"] = f"{key}: {state}: {ctl.error} {ctl.summary()} {ctl.console.lines[-20:]}"
+        report["error"] = f"{key}: {state}: {ctl.error} {ctl.summary()} {list(ctl.console.lines)[-20:]}"
         print(json.dumps(report))
         ctl.close()
         raise SystemExit(1)

@@ -95,3 +95,26 @@ def test_hostfile_without_a_lost_host(tmp_path: Path) -> None:
     assert note == {"from": str(path), "lost": ["h3"], "left": {"h2": 2}}
     with pytest.raises(ConfigError, match=r"no host of .* is left after losing h2, h3: add hosts"):
         hostfile_without(path, ["h2", "h3"], tmp_path / "agent")
+
+
+HYDRA_KILLED = """
+===================================================================================
+=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+=   PID 1803 RUNNING AT h3
+=   EXIT CODE: {code}
+=   CLEANING UP REMAINING PROCESSES
+"""
+HYDRA_UNREACHABLE = (
+    '[proxy:1@h3.cluster] HYDU_sock_connect (sock.c:140): unable to connect from "h3" to "h1" (No route to host)\n'
+    "[mpiexec@h1] ui_cmd_cb (pmiserv_pmci.c:51): Launch proxy failed.\n"
+)
+
+
+def test_mpiexec_names_the_lost_host_only_for_sigkill_or_no_connection() -> None:
+    assert hosts.lost_in_console(HYDRA_KILLED.format(code=9), ["h2", "h3"]) == ("h3", "killed")
+    assert (
+        hosts.lost_in_console(HYDRA_KILLED.format(code=1), ["h2", "h3"]) is None
+    )  # a Python error: not the host
+    assert hosts.lost_in_console(HYDRA_KILLED.format(code=11), ["h2", "h3"]) is None  # a crash: not the host
+    assert hosts.lost_in_console(HYDRA_UNREACHABLE, ["h2", "h3"]) == ("h3", "unreachable")
+    assert hosts.lost_in_console(HYDRA_UNREACHABLE, ["h2", "h4"]) is None  # not a host of this hostfile

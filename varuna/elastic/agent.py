@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from varuna._files import write_json_atomic
-from varuna.elastic.hosts import hostfile_without
+from varuna.elastic.hosts import hostfile_without, lost_in_console
 from varuna.elastic.protocol import MORPH_EXIT, Shape, live_workers
 from varuna.elastic.reshape import choose_shape, read_engine_info
 from varuna.elastic.supervisor import USER_STOP, hostfile_slots, next_shape
@@ -48,7 +48,7 @@ from varuna.launch.hostfile import hostfile_hosts
 from varuna.launch.job import Job
 from varuna.launch.launches import Launch, post_mortem
 from varuna.launch.pids import identity
-from varuna.launch.postmortem import _DEATH, read_reports
+from varuna.launch.postmortem import read_reports
 
 __all__ = ["AGENT_DIR", "SPEC", "STATE", "INTENT", "NOTES", "read_state", "write_intent", "spawn", "main"]
 
@@ -238,26 +238,24 @@ class Agent:
 
     def hosts_lost(self, job: Job, code: int, intent: str | None) -> set[str]:
         """The hosts this launch lost: those the controller reported (a host_lost intent), and after a
-        failure nobody asked for, a host whose ranks mpiexec reports killed by a signal (its
-        "PID .. RUNNING AT host" lines; the first host named, when the job spans several)."""
+        failure nobody asked for, the host mpiexec's output names as lost (`lost_in_console`) when the
+        job spans several."""
         if self.hostfile is None or code in (0, MORPH_EXIT):
             return set()
         lost = set(self.lost_now) if intent == "host_lost" else set()
         if intent is not None or lost:
             return lost
         names = hostfile_hosts(self.hostfile)
-        short = {h.split(".")[0]: h for h in names}
-        tail = job._tail.decode("utf-8", "replace")
-        killed = [short[h.split(".")[0]] for _, h, _ in _DEATH.findall(tail) if h.split(".")[0] in short]
-        if not killed or len(names) < 2:
+        found = lost_in_console(job._tail.decode("utf-8", "replace"), names) if len(names) > 1 else None
+        if found is None:
             return set()
-        host = killed[0]
-        statuses = read_reports(self.run_dir)[0]
+        host, how = found
+        statuses = read_reports(self.run_dir, job.job_id)[0]
         ranks = sorted(
             r for r, st in statuses.items() if str(st.get("host", "")).split(".")[0] == host.split(".")[0]
         )
-        self.note("host_dead", job.job_id, host=host, how="killed", ranks=ranks,
-                  reason=f"mpiexec reports the ranks on {host} killed by a signal")  # fmt: skip
+        said = "its ranks killed (SIGKILL)" if how == "killed" else "its launcher cannot reach mpiexec"
+        self.note("host_dead", job.job_id, host=host, how=how, ranks=ranks, reason=f"mpiexec reports {said}")  # fmt: skip
         return {host}
 
     def drop_hosts(self, lost: set[str], job: Job, shape: Shape) -> Shape:

@@ -19,6 +19,7 @@ a one-host job that goes silent has nobody left to relaunch on.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import threading
 import time
@@ -41,6 +42,7 @@ __all__ = [
     "check_dead_after",
     "HostWatch",
     "host_down",
+    "lost_in_console",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -122,6 +124,28 @@ def hostfile_without(hostfile: Path, lost: Iterable[str], folder: Path) -> Path:
     path.write_text("".join(f"{h}:{n}\n" for h, n in left.items()))
     write_json_atomic(folder / "hosts-lost.json", {"from": str(hostfile), "lost": sorted(gone), "left": left})
     return path
+
+
+# hydra's words for a host gone: its ranks SIGKILLed (exit code 9: the OOM killer, a reboot, an
+# operator), or its proxy unable to reach mpiexec at all (link down when the launch began)
+_KILLED = re.compile(r"PID \d+ RUNNING AT (\S+)\s*=\s*EXIT CODE: 9\b")
+_UNREACHABLE = re.compile(r"\[proxy:[^@\]]*@([^\]\s]+)\][^\n]*unable to connect")
+
+
+def lost_in_console(console: str, names: Iterable[str]) -> tuple[str, str] | None:
+    """The first host of `names` (a hostfile's) that mpiexec's output says is lost, and how:
+    ``killed`` (its ranks SIGKILLed) or ``unreachable`` (its proxy could not connect back); None.
+
+    >>> lost_in_console("=   PID 1803 RUNNING AT h3.cluster\\n=   EXIT CODE: 9", ["h2", "h3"])
+    ('h3', 'killed')
+    """
+    short = {name.split(".")[0]: name for name in names}
+    found = [(m.start(), m.group(1), "killed") for m in _KILLED.finditer(console)]
+    found += [(m.start(), m.group(1), "unreachable") for m in _UNREACHABLE.finditer(console)]
+    for _, host, how in sorted(found):
+        if host.split(".")[0] in short:
+            return short[host.split(".")[0]], how
+    return None
 
 
 def host_down(event: dict[str, Any]) -> str | None:

@@ -272,7 +272,7 @@ class Job:
         host = socket.gethostname()
         while self.state == "running" or fds:
             if len(watched) < self.world and self.state == "running":
-                for rank, status in read_reports(self.run_dir)[0].items():
+                for rank, status in read_reports(self.run_dir, self.job_id)[0].items():
                     if (
                         rank not in watched
                         and status.get("host") == host
@@ -377,7 +377,7 @@ class Job:
             thread.join(timeout=2.0)
         self._console.close()
         code = mpiexec_code = 128 - mpiexec_code if mpiexec_code < 0 else mpiexec_code
-        statuses, failures = read_reports(self.run_dir)
+        statuses, failures = read_reports(self.run_dir, self.job_id)
         if self._timed_out:
             code = 124
         elif self._stop_signal is not None:
@@ -410,6 +410,7 @@ class Job:
                 deaths=self._deaths,
                 console=tail,
                 mpiexec_code=mpiexec_code,
+                job=self.job_id,
             )
         self.returncode = code
         for line in self.summary:
