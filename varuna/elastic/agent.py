@@ -188,8 +188,10 @@ class Agent:
         while (code := job.poll()) is None:
             intent = self.read_intent()
             if intent in ("kill", "terminate", "host_lost") and signalled != intent:
-                signalled = intent  # host_lost: mpiexec's teardown reaches the ranks on the other hosts
-                job.stop(signal.SIGKILL if intent == "kill" else signal.SIGTERM)
+                # host_lost: the survivors wait on a dead peer, nothing to save; SIGKILLed, mpiexec's
+                # proxies end the ranks on the hosts that still answer (no signal crosses hosts)
+                signalled = intent
+                job.stop(signal.SIGTERM if intent == "terminate" else signal.SIGKILL)
             time.sleep(0.1)
         launch.code = code
         for record in post_mortem(self.run_dir, launch):
