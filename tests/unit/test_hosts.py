@@ -118,3 +118,49 @@ def test_mpiexec_names_the_lost_host_only_for_sigkill_or_no_connection() -> None
     assert hosts.lost_in_console(HYDRA_KILLED.format(code=11), ["h2", "h3"]) is None  # a crash: not the host
     assert hosts.lost_in_console(HYDRA_UNREACHABLE, ["h2", "h3"]) == ("h3", "unreachable")
     assert hosts.lost_in_console(HYDRA_UNREACHABLE, ["h2", "h4"]) is None  # not a host of this hostfile
+
+
+class _Launch:
+    """What the agent reads of a finished launch: its id and mpiexec's output."""
+
+    def __init__(self, job_id: str, console: str = "") -> None:
+        self.job_id, self._tail = job_id, console.encode()
+
+
+def _agent(tmp_path: Path):
+    from varuna.elastic import agent
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h2:2\nh3:2\n")
+    (tmp_path / "engine.json").write_text(
+        json.dumps(
+            {"pipeline": 2, "data": 2, "global_batch_size": 16, "micro_batch_size": 2, "num_segments": 4}
+        )
+    )
+    return agent, agent.Agent(
+        tmp_path, {"argv": ["x.py"], "pipeline": 2, "data": 2, "hostfile": str(hostfile)}
+    )
+
+
+def test_the_agent_drops_the_host_mpiexec_names_and_keeps_the_global_batch(tmp_path: Path) -> None:
+    from varuna.elastic.protocol import Shape
+
+    agent, me = _agent(tmp_path)
+    assert me.hosts_lost(_Launch("j1", HYDRA_KILLED.format(code=1)), 1, None) == set()  # a Python error
+    launch = _Launch("j1", HYDRA_KILLED.format(code=9))
+    assert me.hosts_lost(launch, 255, None) == {"h3"}
+    note = json.loads((tmp_path / agent.NOTES).read_text().splitlines()[-1])
+    assert (note["type"], note["host"], note["how"]) == ("host_dead", "h3", "killed")
+    assert me.hosts_lost(launch, 255, "stop") == set()  # the user stopped it: their signal, not a dead host
+    assert me.drop_hosts({"h3"}, launch, Shape(2, 2)) == Shape(2, 1)  # 2 slots left, 16 = 1 x 8 x 2
+    assert me.hostfile is not None and me.hostfile.read_text() == "h2:2\n"
+
+
+def test_the_agent_takes_host_intents_only_for_the_launch_they_name(tmp_path: Path) -> None:
+    agent, me = _agent(tmp_path)
+    me.current = "j2"
+    agent.write_intent(tmp_path, "host_lost", hosts=["h3"], job="j1")  # about a launch that is over
+    assert me.read_intent() is None and me.lost_now == set()
+    agent.write_intent(tmp_path, "exclude", after=me._intent_seq, hosts=["h2"], job="j2")
+    assert me.read_intent() == "exclude" and me.lost_now == {"h2"}
+    assert me.hosts_lost(_Launch("j2"), 75, "exclude") == {"h2"}  # after the checkpointed morph exit

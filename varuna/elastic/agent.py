@@ -58,10 +58,10 @@ STATE = "state.json"
 INTENT = "intent.json"
 NOTES = "events/agent.jsonl"
 TERMINAL = ("stopped", "failed", "finished")
-INTENTS = ("stop", "resize", "kill", "terminate", "host_lost")
+INTENTS = ("stop", "resize", "kill", "terminate", "host_lost", "exclude")
 """stop: a morph exit ends the job; resize: it relaunches; kill / terminate: SIGKILL / SIGTERM now;
-host_lost: the hosts named (``hosts``) stopped answering: end the launch through mpiexec, relaunch
-without them."""
+host_lost: the hosts named (``hosts``) of launch ``job`` stopped answering: end it now, relaunch
+without them; exclude: relaunch without the hosts named after the (checkpointed) morph exit."""
 
 
 _DISCARD = open(os.devnull, "w")  # noqa: SIM115 - ranks' stdout is in logs/console.log; stderr, with the launcher's lines, also in agent.log
@@ -155,11 +155,11 @@ class Agent:
         except (OSError, ValueError, KeyError, TypeError):
             return self.intent
         if seq > self._intent_seq and what in INTENTS:
-            if what == "host_lost" and intent.get("job") != self.current:
+            if what in ("host_lost", "exclude") and intent.get("job") != self.current:
                 self._intent_seq = seq  # about a launch that is over already: nothing to do
                 return self.intent
             self._intent_seq, self.intent = seq, what
-            if what == "host_lost":
+            if what in ("host_lost", "exclude"):
                 self.lost_now.update(str(h) for h in intent.get("hosts") or [])
         return self.intent
 
@@ -239,14 +239,15 @@ class Agent:
             resume = "latest"
 
     def hosts_lost(self, job: Job, code: int, intent: str | None) -> set[str]:
-        """The hosts this launch lost: those the controller reported (a host_lost intent), and after a
-        failure nobody asked for, the host mpiexec's output names as lost (`lost_in_console`) when the
-        job spans several."""
-        if self.hostfile is None or code in (0, MORPH_EXIT):
+        """The hosts this launch lost: those the controller named (a host_lost or exclude intent), and
+        after a failure nobody asked for, the host mpiexec's output names as lost (`lost_in_console`)
+        when the job spans several."""
+        if self.hostfile is None or code == 0:
             return set()
-        lost = set(self.lost_now) if intent == "host_lost" else set()
-        if intent is not None or lost:
-            return lost
+        if intent in ("host_lost", "exclude"):
+            return set(self.lost_now)
+        if intent is not None or code == MORPH_EXIT:
+            return set()
         names = hostfile_hosts(self.hostfile)
         found = lost_in_console(job._tail.decode("utf-8", "replace"), names) if len(names) > 1 else None
         if found is None:
