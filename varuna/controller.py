@@ -14,9 +14,11 @@ The job does not live in this process: `start` hands it to its own supervisor pr
 kernel that crashes or restarts takes nothing with it. This process talks to the agent through files in
 the run directory (the agent's state and notes; the intents it writes) and to the ranks over ZeroMQ:
 they PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for commands (bound
-to loopback unless `interface=` says otherwise; see varuna.telemetry.events). The key reaches the agent
-and the ranks in their environment only, kept for `attach` in controller.json (0600). A thread notes
-`rank_silent`/`rank_back` as ranks' heartbeats stop and resume (varuna.telemetry.heartbeat). No Jupyter here.
+to loopback, or when the hostfile names other hosts to the address routing toward them, unless `interface=`
+says otherwise; see varuna.telemetry.events). The key reaches the agent and the ranks in their environment
+only, kept for `attach` in controller.json (0600). A thread notes `rank_silent`/`rank_back` as ranks'
+heartbeats stop and resume (varuna.telemetry.heartbeat); another `host_dead` when every rank of a host
+went silent, and the agent relaunches without it (varuna.elastic.hosts; `error` names the host). No Jupyter here.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import zmq
 
 from varuna._controller_stragglers import StragglerControl
 from varuna.elastic import agent as _agent
-from varuna.elastic.protocol import MORPH_EXIT, live_workers, request_resize
+from varuna.elastic.agent import legacy_state
+from varuna.elastic.hosts import HostWatch, controller_interface, host_down
+from varuna.elastic.protocol import request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
-from varuna.elastic.supervisor import USER_STOP
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch.job import Job
 from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
@@ -56,12 +59,14 @@ class JobController(StoreViews, StragglerControl):
     """One job's controller; make it with `start` or `attach`."""
 
     def __init__(
-        self, run_dir: Path, *, interface: str = "127.0.0.1", key: str | None = None,
+        self, run_dir: Path, *, interface: str | None = None, key: str | None = None,
         silent_after_s: float = DEFAULT_SILENT_AFTER_S,
     ) -> None:  # fmt: skip
         self.liveness = Liveness(silent_after_s)  # validates silent_after_s first
+        self.hosts = HostWatch()  # a host of the launch silent for hosts.dead_after_s (5 s) is dead
         self.run_dir = Path(run_dir).absolute()
         self.interface = interface
+        """Where the sockets bind; None: loopback, or toward the hosts of a hostfile naming others."""
         self.key = key or _events.new_key()
         self.store = EventStore()
         self.console = ConsoleTail()
@@ -81,16 +86,33 @@ class JobController(StoreViews, StragglerControl):
         """Why the job's supervisor failed, when it did."""
 
     # sockets and files -------------------------------------------------------------------------
-    def _bind(self, events: str | None = None, commands: str | None = None) -> None:
+    def _bind(
+        self, events: str | None = None, commands: str | None = None, hostfile: str | Path | None = None
+    ) -> None:
+        interface = self.interface or controller_interface(Path(hostfile) if hostfile else None)
         self._channel = Channel(
-            self.run_dir, self.key, self._on_event, interface=self.interface, events=events, commands=commands
+            self.run_dir, self.key, self._on_event, interface=interface, events=events, commands=commands
         )
         self.events_address = self._channel.events_address
         self.commands_address = self._channel.commands_address
         self._spawn(lambda: watch_silence(self.silent_ranks, self._note, self._closing))
+        self._spawn(lambda: self.hosts.watch(self._running_hellos, self._host_dead, self._closing))
+
+    def _running_hellos(self) -> tuple[str, list[dict[str, Any]]] | None:
+        job = self.job
+        if job is None or job.code is not None:
+            return None
+        return job.job_id, self.store.events("hello", job=job.job_id)
+
+    def _host_dead(self, job: str, host: str, ranks: list[int], silent_s: float) -> None:
+        """A host whose ranks all went silent: a `host_dead` event, and the agent relaunches without it."""
+        self._note("host_dead", host=host, how="silent", ranks=ranks, silent_s=round(silent_s, 1),
+                   reason=f"no word from any rank on {host} for {silent_s:.1f} s")  # fmt: skip
+        self._intent("host_lost", hosts=[host], job=job)
 
     def _on_event(self, event: dict[str, Any]) -> None:
         self.liveness.see(event)
+        self.hosts.see(event)
         if event["type"] != "heartbeat":  # a beat a second per rank: counted as life, not stored
             self.store.add(event)
 
@@ -107,18 +129,17 @@ class JobController(StoreViews, StragglerControl):
     def _note(self, kind: str, **fields: Any) -> None:
         """An event of the controller's own, stored and logged to events/controller.jsonl."""
         job = self._order[-1] if self._order else None
-        event = {
-            "type": kind,
-            "rank": None,
-            "time": time.time(),
-            "job": job,
-            "id": uuid.uuid4().hex,
-            **fields,
-        }
-        self.store.add(event)
+        event = {"type": kind, "rank": None, "time": time.time(), "job": job, "id": uuid.uuid4().hex,
+                 **fields}  # fmt: skip
+        self._add(event)
         log = _events.EventLog(self.run_dir / "events" / "controller.jsonl")
         log.write(event)
         log.close()
+
+    def _add(self, event: dict[str, Any]) -> None:
+        """Store one of the controller's or the agent's notes; a dead host becomes the `error`."""
+        self.store.add(event)
+        self.error = host_down(event) or self.error
 
     def _pump(self) -> None:
         """Bring in what the agent wrote since the last call: its state, notes and the console; the
@@ -127,7 +148,7 @@ class JobController(StoreViews, StragglerControl):
             self._agent_state = _agent.read_state(self.run_dir) or self._agent_state
             for line in self._notes.lines():
                 try:
-                    self.store.add(json.loads(line))
+                    self._add(json.loads(line))
                 except ValueError:
                     continue
             for line in self._console_log.lines():
@@ -159,9 +180,10 @@ class JobController(StoreViews, StragglerControl):
         while not self._closing.wait(0.1):
             self._pump()
 
-    def _intent(self, what: str) -> None:
+    def _intent(self, what: str, **fields: Any) -> None:
         """Tell the agent what the next exit means (or to signal the job now)."""
-        _agent.write_intent(self.run_dir, what, after=int((self._agent_state or {}).get("intent_seq") or 0))
+        seq = int((self._agent_state or {}).get("intent_seq") or 0)
+        _agent.write_intent(self.run_dir, what, after=seq, **fields)
 
     # starting ----------------------------------------------------------------------------------
     @classmethod
@@ -174,7 +196,7 @@ class JobController(StoreViews, StragglerControl):
         run_dir: str | Path | None = None,
         hostfile: str | Path | None = None,
         elastic: bool = True,
-        interface: str = "127.0.0.1",
+        interface: str | None = None,
         env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         grace_s: float = 10.0,
@@ -202,7 +224,7 @@ class JobController(StoreViews, StragglerControl):
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ConfigError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
         self = cls(run_dir, interface=interface, silent_after_s=silent_after_s)
-        self._bind()
+        self._bind(hostfile=hostfile)
         spec = {
             "argv": list(script_argv), "hostfile": str(hostfile) if hostfile else None, "timeout_s": timeout_s,
             "grace_s": grace_s, "elastic": elastic, "max_restarts": max_restarts, "env": dict(env or {}),
@@ -251,18 +273,7 @@ class JobController(StoreViews, StragglerControl):
             self.store.add(event)
         self._pump()
         if self._agent_state is None:
-            job = json.loads((run_dir / "job.json").read_text())
-            code = job.get("exit_code")
-            live = "end" not in job and live_workers(run_dir)
-            self._legacy = (
-                "running"
-                if live
-                else "finished"
-                if code == 0
-                else "stopped"
-                if code in (MORPH_EXIT, *USER_STOP)
-                else "failed"
-            )
+            self._legacy = legacy_state(run_dir)  # type: ignore[assignment]
             return self
         if self.state not in TERMINAL and reconnect and info.get("events"):
             try:
@@ -453,22 +464,14 @@ class JobController(StoreViews, StragglerControl):
         if self.state not in TERMINAL:
             raise LaunchError(f"resume() needs a stopped or failed job; this one is {self.state}")
         last = self.job
-        spec_path = self.run_dir / _agent.AGENT_DIR / _agent.SPEC
-        if spec_path.exists():
-            spec = json.loads(spec_path.read_text())
-        else:  # a run started by `varuna run`
-            job = json.loads((self.run_dir / "job.json").read_text())
-            spec = {"argv": list(job["argv"]), "pipeline": job["pipeline"], "data": job["data"], "env": {}}
-        spec["env"] = {
-            k: v for k, v in spec.get("env", {}).items() if k not in ("VARUNA_EVENTS", "VARUNA_COMMANDS")
-        }
+        spec = _agent.relaunch_spec(self.run_dir)
         pipeline = (
             (last.pipeline if last is not None else int(spec["pipeline"])) if pipeline is None else pipeline
         )
         data = (last.data if last is not None else int(spec["data"])) if data is None else data
         Job(list(spec["argv"]), pipeline=pipeline, data=data, run_dir=self.run_dir)  # checks the shape here
         if self._channel is None:
-            self._bind()
+            self._bind(hostfile=spec.get("hostfile"))
         self._legacy = None
         self._closing.clear()
         self._launch_agent(spec, pipeline, data, str(checkpoint))

@@ -58,6 +58,7 @@ __all__ = [
     "launch_env",
     "placement",
     "init_distributed",
+    "group_timeout",
     "shutdown",
     "finalize_mpi",
     "env_rank",
@@ -162,6 +163,17 @@ def _timeout(timeout_s: float | None) -> timedelta:
     if timeout_s <= 0:
         raise ConfigError(f"the distributed timeout must be > 0 seconds (got {timeout_s})")
     return timedelta(seconds=timeout_s)
+
+
+_GROUP_TIMEOUT: timedelta | None = None
+
+
+def group_timeout() -> timedelta:
+    """The timeout `init_distributed` gave the job's process group (``VARUNA_TIMEOUT``, else 120 s).
+
+    Pass it to ``dist.new_group``: a subgroup's own default is 30 minutes, so a rank waiting in a
+    data-parallel all-reduce for a peer whose host vanished would wait that long."""
+    return _GROUP_TIMEOUT or _timeout(None)
 
 
 def _under_mpi() -> bool:
@@ -396,7 +408,8 @@ def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    timeout = _timeout(timeout_s)
+    global _GROUP_TIMEOUT
+    timeout = _GROUP_TIMEOUT = _timeout(timeout_s)
     backend = select_backend()
     if _under_srun() or _under_mpi():
         store, rank, size, local_rank = _srun_store(timeout) if _under_srun() else _mpi_store(timeout)

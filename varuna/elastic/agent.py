@@ -39,13 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from varuna._files import write_json_atomic
-from varuna.elastic.protocol import MORPH_EXIT, Shape
+from varuna.elastic.hosts import hostfile_without, lost_in_console
+from varuna.elastic.protocol import MORPH_EXIT, Shape, live_workers
+from varuna.elastic.reshape import choose_shape, read_engine_info
 from varuna.elastic.supervisor import USER_STOP, hostfile_slots, next_shape
 from varuna.errors import LaunchError
 from varuna.launch.exclude import hostfile_for
+from varuna.launch.hostfile import hostfile_hosts
 from varuna.launch.job import Job
 from varuna.launch.launches import Launch, post_mortem
 from varuna.launch.pids import identity
+from varuna.launch.postmortem import read_reports
 
 __all__ = ["AGENT_DIR", "SPEC", "STATE", "INTENT", "NOTES", "read_state", "write_intent", "spawn", "main"]
 
@@ -55,8 +59,10 @@ STATE = "state.json"
 INTENT = "intent.json"
 NOTES = "events/agent.jsonl"
 TERMINAL = ("stopped", "failed", "finished")
-INTENTS = ("stop", "resize", "kill", "terminate")
-"""stop: a morph exit ends the job; resize: it relaunches; kill / terminate: SIGKILL / SIGTERM now."""
+INTENTS = ("stop", "resize", "kill", "terminate", "host_lost", "exclude")
+"""stop: a morph exit ends the job; resize: it relaunches; kill / terminate: SIGKILL / SIGTERM now;
+host_lost: the hosts named (``hosts``) of launch ``job`` stopped answering: end it now, relaunch
+without them; exclude: relaunch without the hosts named after the (checkpointed) morph exit."""
 
 
 _DISCARD = open(os.devnull, "w")  # noqa: SIM115 - ranks' stdout is in logs/console.log; stderr, with the launcher's lines, also in agent.log
@@ -71,15 +77,16 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def write_intent(run_dir: Path, what: str, *, after: int = 0) -> None:
+def write_intent(run_dir: Path, what: str, *, after: int = 0, **fields: Any) -> None:
     """The controller's side of ``agent/intent.json``: the next sequence number (above `after`, the
-    last the agent consumed) and what the next exit means, or a signal to send now."""
+    last the agent consumed) and what the next exit means, or a signal to send now (with `fields`,
+    e.g. the ``hosts`` of a host_lost)."""
     path = Path(run_dir) / AGENT_DIR / INTENT
     try:
         seq = max(int(json.loads(path.read_text())["seq"]), after)
     except (OSError, ValueError, KeyError, TypeError):
         seq = after
-    write_json_atomic(path, {"seq": seq + 1, "intent": what, "time": time.time()})
+    write_json_atomic(path, {**fields, "seq": seq + 1, "intent": what, "time": time.time()})
 
 
 def launch_record(launch: Launch) -> dict[str, Any]:
@@ -107,7 +114,15 @@ class Agent:
         self.error: str | None = None
         self._intent_seq = int(previous.get("intent_seq") or 0)
         self.intent: str | None = None
+        self.lost: set[str] = set()
+        """Hosts this agent's launches lost; a resume (a fresh agent) tries the whole hostfile again."""
+        self.current: str | None = None
+        """The job id of the launch that runs now."""
         self._notes = run_dir / NOTES
+        self.lost_now: set[str] = set()
+        """Hosts the controller reported dead during the current launch (a host_lost intent)."""
+        self.base_hostfile = Path(spec["hostfile"]) if spec.get("hostfile") else None
+        self.hostfile = self.base_hostfile
         self._notes.parent.mkdir(parents=True, exist_ok=True)
 
     # files -------------------------------------------------------------------------------------
@@ -120,6 +135,8 @@ class Agent:
                 "error": self.error,
                 "launches": self.launches,
                 "intent_seq": self._intent_seq,
+                "lost_hosts": sorted(self.lost),
+                "hostfile": str(self.hostfile) if self.hostfile else None,
                 "updated": time.time(),
             },
         )
@@ -139,7 +156,12 @@ class Agent:
         except (OSError, ValueError, KeyError, TypeError):
             return self.intent
         if seq > self._intent_seq and what in INTENTS:
+            if what in ("host_lost", "exclude") and intent.get("job") != self.current:
+                self._intent_seq = seq  # about a launch that is over already: nothing to do
+                return self.intent
             self._intent_seq, self.intent = seq, what
+            if what in ("host_lost", "exclude"):
+                self.lost_now.update(str(h) for h in intent.get("hosts") or [])
         return self.intent
 
     # the loop ----------------------------------------------------------------------------------
@@ -150,15 +172,19 @@ class Agent:
         key = os.environ.get("VARUNA_EVENTS_KEY")
         if key:
             env["VARUNA_EVENTS_KEY"] = key
-        hostfile = hostfile_for(self.run_dir, self.spec.get("hostfile"))  # without an excluded host
+        own = hostfile_for(self.run_dir, None)  # RUN_DIR/agent/hostfile once a host was excluded
+        if own is not None and own != self.base_hostfile:
+            self.base_hostfile = own
+            self.hostfile = hostfile_without(own, self.lost, self.run_dir / AGENT_DIR) if self.lost else own
         return Job(
             self.spec["argv"], pipeline=shape.pipeline, data=shape.data, run_dir=self.run_dir,
-            hostfile=hostfile, extra_env=env, timeout_s=self.spec.get("timeout_s"),
+            hostfile=self.hostfile, extra_env=env, timeout_s=self.spec.get("timeout_s"),
             grace_s=float(self.spec.get("grace_s", 10.0)), stdout=_DISCARD, stderr=sys.stderr,
         )  # fmt: skip
 
     def run_one(self, job: Job) -> int:
         launch = Launch(job, job.world)
+        self.current = job.job_id
         self.launches.append(launch_record(launch))
         self.write()
         job.start()
@@ -166,9 +192,11 @@ class Agent:
         signalled: str | None = None
         while (code := job.poll()) is None:
             intent = self.read_intent()
-            if intent in ("kill", "terminate") and signalled != intent:
+            if intent in ("kill", "terminate", "host_lost") and signalled != intent:
+                # host_lost: the survivors wait on a dead peer, nothing to save; SIGKILLed, mpiexec's
+                # proxies end the ranks on the hosts that still answer (no signal crosses hosts)
                 signalled = intent
-                job.stop(signal.SIGKILL if intent == "kill" else signal.SIGTERM)
+                job.stop(signal.SIGTERM if intent == "terminate" else signal.SIGKILL)
             time.sleep(0.1)
         launch.code = code
         for record in post_mortem(self.run_dir, launch):
@@ -179,14 +207,19 @@ class Agent:
     def run(self) -> None:
         spec = self.spec
         shape, resume = Shape(int(spec["pipeline"]), int(spec["data"])), spec.get("resume")
-        hostfile = Path(spec["hostfile"]) if spec.get("hostfile") else None
-        slots = hostfile_slots(hostfile) if hostfile is not None else None
+        slots = hostfile_slots(self.hostfile) if self.hostfile is not None else None
         restarts, max_restarts = 0, int(spec.get("max_restarts", 0))
         while True:
             job = self.make_job(shape, resume)
+            self.lost_now = set()
             code = self.run_one(job)
             intent = self.read_intent()
-            if code == MORPH_EXIT and intent != "stop" and spec.get("elastic", True):
+            lost = self.hosts_lost(job, code, intent)
+            if lost and spec.get("elastic", True):
+                shape = self.drop_hosts(lost, job, shape)
+                slots = hostfile_slots(self.hostfile) if self.hostfile is not None else None
+                self.state, self.intent = "restarting", None
+            elif code == MORPH_EXIT and intent != "stop" and spec.get("elastic", True):
                 self.state, self.intent = "morphing", None
             elif code not in (0, MORPH_EXIT, 124, *USER_STOP) and intent is None and restarts < max_restarts:
                 restarts += 1
@@ -198,15 +231,77 @@ class Agent:
                     else "stopped" if code == MORPH_EXIT or (intent in ("stop", "kill", "terminate") and code in USER_STOP)
                     else "failed"
                 )  # fmt: skip
+                if lost:
+                    self.error = f"lost host {', '.join(sorted(lost))} (not elastic: no relaunch)"
             self.note("job_end", job.job_id, exit_code=code, state=self.state, summary=job.summary)
             self.write()
             if self.state in TERMINAL:
                 return
             if self.state == "morphing":
-                shape = next_shape(self.run_dir, shape, hostfile, slots)
-                if hostfile is not None:
-                    slots = hostfile_slots(hostfile)
+                shape = next_shape(self.run_dir, shape, self.hostfile, slots)
+                if self.hostfile is not None:
+                    slots = hostfile_slots(self.hostfile)
             resume = "latest"
+
+    def hosts_lost(self, job: Job, code: int, intent: str | None) -> set[str]:
+        """The hosts this launch lost: those the controller named (a host_lost or exclude intent), and
+        after a failure nobody asked for, the host mpiexec's output names as lost (`lost_in_console`)
+        when the job spans several."""
+        if self.hostfile is None or code == 0:
+            return set()
+        if intent in ("host_lost", "exclude"):
+            return set(self.lost_now)
+        if intent is not None or code == MORPH_EXIT:
+            return set()
+        names = hostfile_hosts(self.hostfile)
+        found = lost_in_console(job._tail.decode("utf-8", "replace"), names) if len(names) > 1 else None
+        if found is None:
+            return set()
+        host, how = found
+        statuses = read_reports(self.run_dir, job.job_id)[0]
+        ranks = sorted(
+            r for r, st in statuses.items() if str(st.get("host", "")).split(".")[0] == host.split(".")[0]
+        )
+        said = "its ranks killed (SIGKILL)" if how == "killed" else "its launcher cannot reach mpiexec"
+        self.note("host_dead", job.job_id, host=host, how=how, ranks=ranks, reason=f"mpiexec reports {said}")  # fmt: skip
+        return {host}
+
+    def drop_hosts(self, lost: set[str], job: Job, shape: Shape) -> Shape:
+        """Leave the `lost` hosts out of the hostfile from now on; the shape for the slots left (the
+        same if it still fits, else one that keeps the global batch: `choose_shape`)."""
+        assert self.base_hostfile is not None
+        self.lost |= lost
+        self.hostfile = hostfile_without(self.base_hostfile, self.lost, self.run_dir / AGENT_DIR)
+        left = hostfile_slots(self.hostfile)
+        new = shape
+        if shape.pipeline * shape.data > left:
+            new = choose_shape(left, read_engine_info(self.run_dir / "engine.json"))
+        self.note("hosts_dropped", job.job_id, lost=sorted(lost), hostfile=str(self.hostfile), slots=left,
+                  pipeline=new.pipeline, data=new.data)  # fmt: skip
+        return new
+
+
+def relaunch_spec(run_dir: Path) -> dict[str, Any]:
+    """What a resume relaunches: the agent's spec, or (a run started by `varuna run`) its job.json's
+    script and shape; without the previous controller's addresses."""
+    path = Path(run_dir) / AGENT_DIR / SPEC
+    if path.exists():
+        spec = json.loads(path.read_text())
+    else:
+        job = json.loads((Path(run_dir) / "job.json").read_text())
+        spec = {"argv": list(job["argv"]), "pipeline": job["pipeline"], "data": job["data"], "env": {}}
+    drop = ("VARUNA_EVENTS", "VARUNA_COMMANDS")
+    spec["env"] = {k: v for k, v in spec.get("env", {}).items() if k not in drop}
+    return dict(spec)
+
+
+def legacy_state(run_dir: Path) -> str:
+    """The state of a run without an agent (`varuna run`), from its job.json and live workers."""
+    job = json.loads((Path(run_dir) / "job.json").read_text())
+    code = job.get("exit_code")
+    if "end" not in job and live_workers(run_dir):
+        return "running"
+    return "finished" if code == 0 else "stopped" if code in (MORPH_EXIT, *USER_STOP) else "failed"
 
 
 def spawn(run_dir: Path, spec: dict[str, Any], key: str) -> subprocess.Popen[bytes]:

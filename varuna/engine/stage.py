@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna._files import write_json_atomic
+from varuna.comm.rendezvous import group_timeout
 from varuna.cut.cutpoint import CONTAINERS, CutPoint
 from varuna.cut.partition import (
     Partition,
@@ -185,13 +186,13 @@ def make_groups(
     dp_group = None
     if D > 1:
         for s in range(P):
-            group = dist.new_group([r * P + s for r in range(D)])
+            group = dist.new_group([r * P + s for r in range(D)], timeout=group_timeout())
             if s == stage:
                 dp_group = group
     tied_groups: list[tuple[Any, Any, Any]] = []
     for g in partition.tied:
         ranks = [r * P + s for r in range(D) for s in g.stages]
-        pg = dist.new_group(ranks) if len(ranks) > 1 else None
+        pg = dist.new_group(ranks, timeout=group_timeout()) if len(ranks) > 1 else None
         tied_groups.append((g, pg, ranks))
     return dp_group, tied_groups
 

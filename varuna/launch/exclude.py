@@ -12,9 +12,9 @@ from pathlib import Path
 
 from varuna._files import write_atomic
 from varuna.errors import ConfigError
-from varuna.launch.hostfile import hostfile_slots
+from varuna.launch.hostfile import hostfile_hosts, hostfile_slots
 
-__all__ = ["EXCLUDED", "hostfile_for", "hostfile_hosts", "write_without"]
+__all__ = ["EXCLUDED", "hostfile_for", "write_without"]
 
 EXCLUDED = "agent/hostfile"
 """The run's own hostfile, relative to the run directory, once a host was excluded."""
@@ -31,11 +31,6 @@ def hostfile_for(run_dir: Path, spec_hostfile: str | Path | None) -> Path | None
 def _host(line: str) -> str:
     word = line.split("#", 1)[0].strip().split()[0] if line.split("#", 1)[0].strip() else ""
     return word.split(":", 1)[0]
-
-
-def hostfile_hosts(hostfile: Path) -> list[str]:
-    """The host names of a hostfile, in order."""
-    return [h for h in map(_host, Path(hostfile).read_text().splitlines()) if h]
 
 
 def _same(a: str, b: str) -> bool:

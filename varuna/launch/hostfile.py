@@ -12,7 +12,7 @@ from pathlib import Path
 
 from varuna.errors import ConfigError
 
-__all__ = ["hostfile_slots"]
+__all__ = ["hostfile_slots", "hostfile_hosts"]
 
 _FORMS = "`host`, `host:N` or `host slots=N` with N a positive integer"
 
@@ -25,8 +25,9 @@ def _slots(text: str) -> int | None:
     return value if value >= 1 else None
 
 
-def hostfile_slots(hostfile: Path) -> int:
-    """Total slots of an MPI hostfile; a ConfigError naming the file and line when it cannot be read."""
+def hostfile_hosts(hostfile: Path) -> dict[str, int]:
+    """Host name -> slots of an MPI hostfile, in file order (a host named twice adds up); a
+    ConfigError naming the file and line when it cannot be read."""
     try:
         lines = Path(hostfile).read_text().splitlines()
     except FileNotFoundError:
@@ -37,24 +38,29 @@ def hostfile_slots(hostfile: Path) -> int:
         raise ConfigError(
             f"hostfile {hostfile} cannot be read ({exc}): expected a text file of {_FORMS} lines"
         ) from None
-    total = 0
+    hosts: dict[str, int] = {}
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         if "slots=" in line:
-            count = _slots(
-                line.split("slots=", 1)[1].split()[0] if line.split("slots=", 1)[1].split() else ""
-            )
+            after = line.split("slots=", 1)[1].split()
+            name, count = line.split()[0], _slots(after[0] if after else "")
         elif ":" in line:
-            count = _slots(line.rsplit(":", 1)[1])
+            name, _, text = line.rpartition(":")
+            count = _slots(text)
         else:
-            count = 1
-        if count is None:
+            name, count = line.split()[0], 1
+        if count is None or not name.strip():
             raise ConfigError(
                 f"hostfile {hostfile} line {number}: expected {_FORMS}, got {raw.strip()!r}; fix that line"
             )
-        total += count
-    if total == 0:
+        hosts[name.strip()] = hosts.get(name.strip(), 0) + count
+    if not hosts:
         raise ConfigError(f"hostfile {hostfile} names no host: expected lines of {_FORMS}")
-    return total
+    return hosts
+
+
+def hostfile_slots(hostfile: Path) -> int:
+    """Total slots of an MPI hostfile; a ConfigError naming the file and line when it cannot be read."""
+    return sum(hostfile_hosts(hostfile).values())

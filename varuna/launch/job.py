@@ -291,7 +291,7 @@ class Job:
         host = socket.gethostname()
         while self.state == "running" or fds:
             if len(watched) < self.world and self.state == "running":
-                for rank, status in read_reports(self.run_dir)[0].items():
+                for rank, status in read_reports(self.run_dir, self.job_id)[0].items():
                     if (
                         rank not in watched
                         and status.get("host") == host
@@ -400,7 +400,7 @@ class Job:
         if self.stragglers is not None:
             self.stragglers.stop()
         code = mpiexec_code = 128 - mpiexec_code if mpiexec_code < 0 else mpiexec_code
-        statuses, failures = read_reports(self.run_dir)
+        statuses, failures = read_reports(self.run_dir, self.job_id)
         if self._timed_out:
             code = 124
         elif self._stop_signal is not None:
@@ -434,6 +434,7 @@ class Job:
                 console=tail,
                 mpiexec_code=mpiexec_code,
                 launcher="srun" if self.slurm is not None else "mpiexec",
+                job=self.job_id,
             )
         self.returncode = code
         for line in self.summary:

@@ -102,7 +102,7 @@ class FileTail:
 
 def post_mortem(run_dir: Path, launch: Launch) -> list[dict[str, Any]]:
     """Fill `launch.dead` from the run directory; return one `exit` record per rank."""
-    statuses, failures = read_reports(run_dir)
+    statuses, failures = read_reports(run_dir, launch.job.job_id)
     summary = launch.job.summary
     first = re.search(r"rank (\d+) \(stage", summary[0]) if summary else None
     failed = {int(f["rank"]): f for f in failures}

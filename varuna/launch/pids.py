@@ -120,13 +120,27 @@ def check_status(status: dict[str, Any]) -> Verdict:
     return Verdict("live", pid, f"{who} is pid {pid}")
 
 
+def _netns(entry: Path) -> str:
+    try:
+        return os.readlink(entry / "ns" / "net")
+    except OSError:
+        return ""
+
+
 def job_processes(job_id: str) -> dict[int, list[str]]:
     """pid -> argv of every process on this host whose environment carries ``VARUNA_JOB_ID=job_id``
-    (mpiexec, hydra's proxy, the ranks); empty without ``/proc``."""
+    (mpiexec, hydra's proxy, the ranks); empty without ``/proc``. Only processes of this network
+    stack count: a machine's network namespaces (containers, the test suite's hosts) are other hosts,
+    whose ranks their own launcher ends (mpiexec's teardown), never a signal from here."""
     tag, found = f"VARUNA_JOB_ID={job_id}".encode(), {}
+    here = _netns(Path("/proc/self"))
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and tag in (entry / "environ").read_bytes().split(b"\0"):
+            if (
+                entry.name.isdigit()
+                and tag in (entry / "environ").read_bytes().split(b"\0")
+                and _netns(entry) == here
+            ):
                 found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue

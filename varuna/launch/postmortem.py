@@ -39,11 +39,18 @@ def _shown(path: Path) -> Path:
     return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
-def read_reports(run_dir: Path) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
-    """The ranks' own reports: status by rank, and failure records oldest first."""
-    found = (_read_json(p) for p in run_dir.glob("status/rank*.json"))
-    statuses = {s["rank"]: s for s in found if s and isinstance(s.get("rank"), int)}
-    failures = [f for p in run_dir.glob("failures/rank*.json") if (f := _read_json(p)) and "rank" in f]
+def read_reports(
+    run_dir: Path, job: str | None = None
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The ranks' own reports: status by rank, and failure records oldest first; with `job`, only
+    those of that launch (a rank of an earlier launch, cut off on a lost host, may write late)."""
+
+    def reports(kind: str) -> list[dict[str, Any]]:
+        found = (_read_json(p) for p in run_dir.glob(f"{kind}/rank*.json"))
+        return [r for r in found if r and "rank" in r and (job is None or r.get("job") in (None, job))]
+
+    statuses = {s["rank"]: s for s in reports("status") if isinstance(s["rank"], int)}
+    failures = reports("failures")
     return statuses, sorted(failures, key=lambda f: f.get("time", 0.0))
 
 
@@ -56,6 +63,7 @@ def summarise(
     console: str,
     mpiexec_code: int,
     launcher: str = "mpiexec",
+    job: str | None = None,
 ) -> list[str]:
     """Say which rank failed first and why, then who followed, from the run dir and what was seen.
 
@@ -64,7 +72,7 @@ def summarise(
     raise "Connection closed by peer", so order matters: the earliest event is the cause. ``launcher``
     names the process manager (mpiexec, or srun in a Slurm allocation).
     """
-    statuses, failures = read_reports(run_dir)
+    statuses, failures = read_reports(run_dir, job)
     died = {r for r, s in statuses.items() if s.get("state") == "running"}  # no clean end, no record
 
     def where(rank: int) -> tuple[str, str]:

@@ -137,6 +137,9 @@ class _Rank:
         self.run_dir = run_dir
         # host, pid, start time and boot id: a signal goes to this rank only while all of them match
         self.identity = {"rank": rank, "stage": self.stage, "replica": self.replica, **identity()}
+        self.identity["job"] = os.environ.get(
+            "VARUNA_JOB_ID"
+        )  # a late word of an earlier launch is told apart
 
     def path(self, kind: str, suffix: str) -> Path | None:
         """``RUN_DIR/kind/rank{r}{suffix}``, or None without a run directory."""

@@ -1,7 +1,9 @@
 """The controller's end of the signed ZeroMQ channel: PULL for events, PUB for commands.
 
-Both sockets bind on one interface (loopback by default; ``"*"`` or ``"0.0.0.0"`` for every
-interface, advertised to the workers by this host's name) and their addresses and the job's key
+Both sockets bind on one interface (loopback by default; the controller passes the address routing
+toward the other hosts when its hostfile names any, `varuna.elastic.hosts.controller_interface`; ``"*"``
+or ``"0.0.0.0"`` for every interface, advertised to the workers by this host's name) and their
+addresses and the job's key
 go to ``RUN_DIR/controller.json`` (0600), so a later controller can bind the same addresses and
 the workers' sockets, which reconnect by themselves, find it. A background thread verifies every
 message (`varuna.telemetry.events.Receiver`: size, signature, fields, sequence, age) and hands the
