@@ -481,5 +481,10 @@ class Varuna:
             f"of {cfg.engine.micro_batch_size}) — {self.where}{planned}\n{self.partition.describe()}"
         )
 
+    def rank_of_stage(self, stage: int) -> int:
+        """The global rank holding virtual stage `stage` in this rank's replica."""
+        P = self.config.engine.pipeline
+        return self.rank - self.stage + schedule_spec(self.config.engine.schedule).rank_of(stage, P)
+
     def config_dict(self) -> dict[str, Any]:
         return self.config.options()

@@ -251,8 +251,6 @@ def chunk_links(
     for v in stages:
         prev = None if v == 0 or v in local else global_rank(v - 1)
         nxt = None if v == num_stages - 1 or v + 1 in local else global_rank(v + 1)
-        p2p = P2P(prev, nxt, device, tags=(v, v + 1)) if prev is not None or nxt is not None else None
-        up = local.get(v, p2p)
-        down = local.get(v + 1, p2p)
-        out.append((up, down))
+        link: Any = P2P(prev, nxt, device, tags=(v, v + 1)) if prev is not None or nxt is not None else None
+        out.append((local.get(v, link), local.get(v + 1, link)))
     return out

@@ -136,12 +136,17 @@ def split_backwards(schedule: Schedule) -> Schedule:
     return result
 
 
-def releasing(spans: Iterable[Span]) -> set[tuple[str, int | None]]:
-    """(kind, micro-batch) of the spans of one stage after which a micro-batch's saved activations
-    are gone: its B, or its W where `split_backwards` split that backward."""
+def releasing(spans: Iterable[Span]) -> set[tuple[str, int | None, int | None]]:
+    """(kind, micro-batch, virtual stage) of the spans of one rank after which a micro-batch's saved
+    activations are gone: its B, or its W where that backward was split. The stage is the span's
+    (None with one chunk per rank)."""
     spans = list(spans)
-    split = {sp.microbatch for sp in spans if sp.kind == WEIGHT_KIND}
-    return {(WEIGHT_KIND if sp.microbatch in split else "B", sp.microbatch) for sp in spans if sp.kind == "B"}
+    split = {(sp.microbatch, sp.stage) for sp in spans if sp.kind == WEIGHT_KIND}
+    return {
+        (WEIGHT_KIND if (sp.microbatch, sp.stage) in split else "B", sp.microbatch, sp.stage)
+        for sp in spans
+        if sp.kind == "B"
+    }
 
 
 def lower(schedule: Schedule) -> Schedule:
