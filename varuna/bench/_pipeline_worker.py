@@ -285,7 +285,7 @@ class _TorchRunner:
             _Stage(gpt, _stage_units(bounds, v, units), first=v == 0, last=v == n - 1) for v in held
         ]
         del gpt
-        stages = [PipelineStage(m, v, n, torch.device("cpu")) for m, v in zip(self.modules, held)]
+        stages: list[Any] = [PipelineStage(m, v, n, torch.device("cpu")) for m, v in zip(self.modules, held)]
         M = spec["global_batch_size"] // spec["micro_batch_size"]
         self.schedule: Any
         if name == "zb-h1":  # torch's ZB1P (ZB-H1) is its interleaved zero-bubble schedule on one stage
