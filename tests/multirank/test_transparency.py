@@ -169,6 +169,12 @@ def _check_against(
             )
 
 
+def test_checkpoints_move_between_chunkings(runs) -> None:
+    """2 steps of zb-v, resumed for 2 of interleaved-1f1b (with recompute), resumed for 1 of 1f1b:
+    the 5 losses and final parameters of uninterrupted plain training."""
+    _check_against(runs[2], "chunk-resume-rank*.pt", reference("gpt"), 2)
+
+
 def test_variable_sequence_length(runs) -> None:
     _check_against(runs[2], "varlen-rank*.pt", reference("gpt", transform=varlen), 2)
 

@@ -80,6 +80,25 @@ for P, D, partition, kind, schedule in runs:
     engine.close()
 
 if world == 2:
+    # Checkpoints are keyed by parameter name: a zb-v checkpoint resumes under interleaved-1f1b (other
+    # chunks, other placement), whose checkpoint resumes under 1f1b; interleaved with recompute too.
+    ckpt = out / "chunked-ckpt"
+    path = None
+    losses = []
+    for schedule, steps, kw in (
+        ("zb-v", 2, {}),
+        ("interleaved-1f1b", 2, {"recompute": True}),
+        ("1f1b", 1, {}),
+    ):
+        engine, data = engine_for("gpt", 2, 1, schedule=schedule, resume=path, **kw)
+        engine.set_optimizer(optimizer(engine.parameters()))
+        start = engine.step_count
+        losses += [engine.step(engine.batch(data, k)) for k in range(start, start + steps)]
+        path = engine.checkpoint(ckpt / schedule)
+        params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        engine.close()
+    torch.save({"losses": losses, "params": params}, out / f"chunk-resume-rank{engine.rank}.pt")
+
     # Activations whose shape changes every step (the sequence length grows).
     engine, data = engine_for("gpt", 2, 1, schedule="varuna")
     engine.set_optimizer(optimizer(engine.parameters()))

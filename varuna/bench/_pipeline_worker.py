@@ -297,7 +297,9 @@ class _TorchRunner:
         else:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
             self.schedule = kind(stages[0], n_microbatches=M, loss_fn=_lm_loss)
-        self.opt = torch.optim.AdamW([p for m in self.modules for p in m.parameters()], lr=LR)
+        # two chunks of a block cut inside it share its module: each parameter once
+        params = {id(p): p for m in self.modules for p in m.parameters()}
+        self.opt = torch.optim.AdamW(list(params.values()), lr=LR)
 
     def step(self, batch: dict[str, Tensor]) -> float | None:
         mb_losses: list[Tensor] = []
