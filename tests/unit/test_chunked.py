@@ -91,3 +91,19 @@ def test_one_rank_two_chunks_trains_like_plain(name: str) -> None:
     for n, p in engine.named_parameters():
         torch.testing.assert_close(p, reference[n], rtol=1e-5, atol=1e-7)
     engine.close()
+
+
+def test_resize_keeps_a_shape_the_chunked_schedule_runs() -> None:
+    """`varuna resize --gpus N` without a profile: P x 2 chunks must fit the segments, and
+    interleaved-1f1b needs M a multiple of P."""
+    from varuna.elastic.protocol import Shape
+    from varuna.elastic.reshape import choose_shape
+    from varuna.errors import ConfigError
+
+    info = {"global_batch_size": 24, "micro_batch_size": 2, "num_segments": 6, "pipeline": 4}
+    assert choose_shape(4, info | {"schedule": "1f1b"}) == Shape(4, 1)
+    assert choose_shape(4, info | {"schedule": "zb-v"}) == Shape(2, 2)  # 4 ranks x 2 chunks > 6 segments
+    small = {"global_batch_size": 6, "micro_batch_size": 2, "num_segments": 8, "pipeline": 2}
+    assert choose_shape(2, small | {"schedule": "1f1b"}) == Shape(2, 1)
+    with pytest.raises(ConfigError, match=r"at most 8 stages \(2 chunks per rank for interleaved-1f1b\)"):
+        choose_shape(2, small | {"schedule": "interleaved-1f1b"})  # M = 3 is no whole round of P = 2

@@ -35,7 +35,7 @@ def chunked_misfit(table: CostTable, schedule: ScheduleName, pipeline: int, micr
             f"{schedule} at P={pipeline} cuts {virtual} chunks > {table.num_segments} segments (add CutPoints, "
             "e.g. inside blocks)"
         )
-    if schedule == "interleaved-1f1b" and microbatches % pipeline:
+    if spec.rounds and microbatches % pipeline:
         return f"{schedule} needs M={microbatches} micro-batches to be a multiple of P={pipeline}"
     return None
 

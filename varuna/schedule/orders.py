@@ -97,6 +97,8 @@ class ScheduleSpec:
     """Model chunks a rank holds (virtual stages): the model is cut into P x chunks_per_rank stages."""
     placement: Placement = "loop"
     """Which rank holds which virtual stage (`varuna.schedule.chunked`)."""
+    rounds: bool = False
+    """Micro-batches go through the ranks in rounds of P: M must be a multiple of P."""
     about: str = ""
     """One line for people."""
 
@@ -130,6 +132,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         order=interleaved_order,
         bubble=interleaved_bubble,
         chunks_per_rank=2,
+        rounds=True,
         about="interleaved 1F1B: two chunks per rank round-robin, a V-th of 1F1B's bubble; M a multiple of P",
     ),
     "zb-v": ScheduleSpec(
