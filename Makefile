@@ -10,7 +10,7 @@ LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.varuna-installed
 
-.PHONY: install test test-quick test-multihost netns-tools demo bench gpu-check lab lint clean
+.PHONY: install test test-quick test-multihost netns-tools slurm-tools demo bench gpu-check lab lint clean
 
 $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install $(CHROMIUM) netns-tools
+test: install $(CHROMIUM) netns-tools slurm-tools
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 # The unit tier only (tests/unit: no processes, well under a minute).
@@ -30,14 +30,20 @@ test-quick: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/unit
 
 # The multihost tier: jobs across hosts made of network namespaces (tests/multihost). It needs root,
-# iproute2's `ip` and util-linux's `unshare`; without root it is skipped (with the reason).
-test-multihost: install netns-tools
+# iproute2's `ip` and util-linux's `unshare`; without root it is skipped (with the reason). Its Slurm tests
+# start a one-node Slurm from Debian's slurm-wlm (slurm-tools), as root too.
+test-multihost: install netns-tools slurm-tools
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/multihost
 
 # As root, install iproute2 with apt when `ip` is missing; otherwise nothing to do.
 netns-tools:
 	@[ "$$(id -u)" != 0 ] || command -v ip >/dev/null || ! command -v apt-get >/dev/null || \
 		apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q iproute2 >/dev/null; }
+
+# As root, install Debian's slurm-wlm (slurmctld, slurmd, srun, munge) with apt when it is missing.
+slurm-tools:
+	@[ "$$(id -u)" != 0 ] || { command -v slurmctld && command -v munged; } >/dev/null || ! command -v apt-get >/dev/null || \
+		apt-get install -y -q slurm-wlm >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q slurm-wlm >/dev/null; }
 
 demo: install
 	OMP_NUM_THREADS=1 $(BIN)/varuna run --pipeline 2 --data 2 --run-dir runs/demo -m varuna.demo

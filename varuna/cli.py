@@ -179,17 +179,20 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 def _resize(args: argparse.Namespace) -> int:
     from varuna.elastic.protocol import request_resize
     from varuna.elastic.reshape import shape_for_gpus
+    from varuna.launch.slurm import check_resize
 
     how = ""
     if args.gpus is not None:
         if args.pipeline is not None or args.data is not None:
             raise ConfigError("give either --gpus N or --pipeline P --data D, not both")
+        check_resize(args.run_dir, args.gpus, what=f"--gpus {args.gpus}")  # before the planner runs
         choice = shape_for_gpus(args.run_dir, args.gpus)
         pipeline, data, how = choice.shape.pipeline, choice.shape.data, f", chosen by the {choice.reason}"
     elif args.pipeline is None or args.data is None:
         raise ConfigError("resize needs --pipeline P --data D, or --gpus N")
     else:
         pipeline, data = args.pipeline, args.data
+    check_resize(args.run_dir, pipeline * data, what=f"pipeline {pipeline} x data {data}")
     path = request_resize(args.run_dir, pipeline=pipeline, data=data, notify=not args.no_signal)
     print(f"varuna: requested {pipeline}x{data} for {args.run_dir} ({path.name}){how}")
     return 0

@@ -26,11 +26,18 @@ Placement contract (the engine relies on it): world rank ``r`` with pipeline dep
 Every wait of the rendezvous (the MPI barrier, reaching the store) ends after
 ``VARUNA_RENDEZVOUS_TIMEOUT_S`` (300 s) with a LaunchError that names what was awaited.
 
+Under Slurm (``varuna run`` inside an allocation starts the ranks with ``srun --mpi=none`` and sets
+``VARUNA_LAUNCHER=srun``) there is no MPI at all: each task knows its rank from ``SLURM_PROCID`` and the
+world from ``SLURM_STEP_NUM_TASKS``; rank 0 starts the store and writes its address to
+``RUN_DIR/rendezvous.json`` (tagged with ``VARUNA_JOB_ID``, so a file of an earlier launch is never
+read as this one's), and the others read it there: the run directory is on the shared filesystem.
+
 ``import varuna.comm.rendezvous`` never imports mpi4py: a plain ``python train.py`` must not start MPI.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -40,6 +47,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from varuna._files import write_json_atomic
+from varuna._slurm import HostlistError, expand_hostlist
 from varuna.comm.addresses import choose_gloo_interface, network_stack, outbound_ip
 from varuna.errors import ConfigError, LaunchError
 
@@ -302,11 +311,82 @@ def _mpi_store(timeout: timedelta) -> tuple[Any, int, int, int]:
     return store, rank, size, local_rank
 
 
+def _under_srun() -> bool:
+    """Started by `varuna run` through ``srun`` as one task of a Slurm job step."""
+    return os.environ.get("VARUNA_LAUNCHER") == "srun" and "SLURM_PROCID" in os.environ
+
+
+def _slurm_int(*names: str) -> int:
+    for name in names:
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit():
+            return int(raw)
+    raise LaunchError(
+        f"srun gave this task no {' or '.join(names)} (got {[os.environ.get(n) for n in names]}); "
+        "start it with `varuna run` inside a Slurm allocation, or set VARUNA_LAUNCHER=mpiexec to use mpiexec"
+    )
+
+
+def _await_address(path: Path, job_id: str, rank: int, timeout_s: float) -> tuple[str, int]:
+    """Wait until rank 0 of launch `job_id` has written its store's address to `path`."""
+    deadline, pause = time.monotonic() + timeout_s, 0.02
+    while True:
+        try:
+            record = json.loads(path.read_text())
+            if record.get("job_id") == job_id:
+                return str(record["host"]), int(record["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not there yet, or an earlier launch's
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"rank {rank} waited {timeout_s:g} s for rank 0 to write the rendezvous address of launch "
+                f"{job_id} to {path} and it never did: is rank 0 running (see its log), and is the run "
+                "directory on a filesystem every node shares? (VARUNA_RENDEZVOUS_TIMEOUT_S sets the wait)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
+
+
+def _srun_store(timeout: timedelta) -> tuple[Any, int, int, int]:
+    """Rendezvous of a Slurm job step through the run directory; return (store, rank, size, local rank)."""
+    rank, size = _slurm_int("SLURM_PROCID"), _slurm_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    local_rank = _slurm_int("SLURM_LOCALID") if "SLURM_LOCALID" in os.environ else 0
+    run_dir, job_id = os.environ.get("VARUNA_RUN_DIR", ""), os.environ.get("VARUNA_JOB_ID", "")
+    if not run_dir or not job_id:
+        raise ConfigError(
+            "a task started by srun with VARUNA_LAUNCHER=srun needs VARUNA_RUN_DIR (a directory every node "
+            f"shares) and VARUNA_JOB_ID (got {run_dir!r}, {job_id!r}); start the job with `varuna run`"
+        )
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        nodes = expand_hostlist(nodelist)
+    except HostlistError as exc:
+        raise LaunchError(f"cannot read the step's SLURM_STEP_NODELIST {nodelist!r}: {exc}") from None
+    one_host = len(set(nodes)) == 1
+    if one_host:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    path, wait_s = Path(run_dir) / "rendezvous.json", _rendezvous_timeout_s()
+    if rank == 0:
+        host = "127.0.0.1" if one_host else outbound_ip(nodes)
+        store = _server_store(host, timeout)
+        step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
+        record = {"job_id": job_id, "host": host, "port": int(store.port), "world": size, "slurm_step": step}
+        write_json_atomic(path, record)  # the step lets the launcher signal every task (scancel)
+    else:
+        host, port = _await_address(path, job_id, rank, wait_s)
+        store = _store_client(host, port, rank, wait_s, f"read from {path}")
+        store.set_timeout(timeout)
+    if not one_host:
+        choose_gloo_interface(host)
+    return store, rank, size, local_rank
+
+
 def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
     """Initialise torch.distributed for this process and return ``(rank, world_size)``.
 
-    Under an MPI launch the ranks meet through mpi4py (see the module docstring); otherwise this is
-    a one-process group on loopback, so single-process code paths use the same collectives. A
+    Under an MPI launch the ranks meet through mpi4py, under ``srun`` through the run directory (see
+    the module docstring); otherwise this is a one-process group on loopback, so single-process code
+    paths use the same collectives. A
     torchrun-style environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) is
     honoured too. Idempotent. ``timeout_s`` defaults to ``VARUNA_TIMEOUT`` or 120 s.
 
@@ -318,8 +398,8 @@ def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     timeout = _timeout(timeout_s)
     backend = select_backend()
-    if _under_mpi():
-        store, rank, size, local_rank = _mpi_store(timeout)
+    if _under_srun() or _under_mpi():
+        store, rank, size, local_rank = _srun_store(timeout) if _under_srun() else _mpi_store(timeout)
         _set_device(backend, local_rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     elif all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):

@@ -39,6 +39,7 @@ from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.pids import check_status, job_processes, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
+from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun_command
 
 __all__ = [
     "Job", "run_job", "mpiexec_command", "find_mpiexec", "launcher_args", "mpi_flavor", "read_reports",
@@ -182,6 +183,9 @@ class Job:
             raise ConfigError(f"--timeout must be > 0 seconds (got {timeout_s})")
         self.script_argv, self.pipeline, self.data = list(script_argv), pipeline, data
         self.world = pipeline * data
+        self.slurm = launch_allocation(hostfile)  # inside a Slurm allocation: srun on its hosts and slots
+        if self.slurm is not None:
+            check_fits(self.world, self.slurm, what=f"pipeline {pipeline} x data {data}")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(run_dir).absolute() if run_dir else _fresh(Path.cwd() / "runs" / stamp)
         self.hostfile = Path(hostfile).absolute() if hostfile else None
@@ -225,16 +229,23 @@ class Job:
             "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1")),
         }
         worker = [sys.executable, "-m", "varuna.launch.worker", *self.script_argv]
-        cmd = mpiexec_command(self.world, worker, hostfile=self.hostfile, env=env)
+        if self.slurm is not None:
+            env["VARUNA_LAUNCHER"] = "srun"  # the ranks meet through the run dir (varuna.comm.rendezvous)
+            cmd = srun_command(self.world, worker)
+        else:
+            cmd = mpiexec_command(self.world, worker, hostfile=self.hostfile, env=env)
         full_env = {**os.environ, **env}  # secrets reach mpiexec here, never on `cmd` or in job.json
-        if mpi_flavor(cmd[0]) == "openmpi" and os.geteuid() == 0:
+        if self.slurm is None and mpi_flavor(cmd[0]) == "openmpi" and os.geteuid() == 0:
             full_env.update(dict.fromkeys(_ROOT_ENV, "1"))
         self._meta = {"argv": self.script_argv, "pipeline": self.pipeline, "data": self.data}
+        if self.slurm is not None:
+            self._meta |= {"launcher": "srun", "slurm": self.slurm.to_json()}
         self._meta |= {"world": self.world, "start": time.time(), "command": cmd, "job_id": self.job_id}
         write_json_atomic(self.run_dir / "job.json", self._meta)
         self._console = open(self.run_dir / "logs" / "console.log", "ab")  # noqa: SIM115
         shape = f"pipeline {self.pipeline} x data {self.data}"
-        print(f"varuna: {self.world} ranks ({shape}), run dir {_shown(self.run_dir)}", file=self.err)
+        where = f", srun in {self.slurm.describe()}" if self.slurm is not None else ""
+        print(f"varuna: {self.world} ranks ({shape}), run dir {_shown(self.run_dir)}{where}", file=self.err)
         self.err.flush()
         self._proc = subprocess.Popen(
             cmd,
@@ -302,7 +313,7 @@ class Job:
             os.close(fd)
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Pass ``signum`` to mpiexec (which hands it to every rank); SIGKILL all after ``grace_s``.
+        """Pass ``signum`` to mpiexec or srun (which hand it to every rank); SIGKILL all after ``grace_s``.
 
         A second call kills at once. Safe to call from a signal handler.
         """
@@ -311,8 +322,10 @@ class Job:
         if self._stop_signal is None:
             self._stop_signal = signum
             self._kill_at = time.monotonic() + self.grace_s
+            if self.slurm is not None and signal_step(self.run_dir, self.job_id, signum):
+                return  # every task got it (scancel); srun would answer SIGTERM with SIGKILL
             try:
-                os.killpg(self._proc.pid, signum)
+                os.killpg(self._proc.pid, signum)  # srun: ranks not started yet, or no scancel
             except ProcessLookupError:
                 pass
         else:
@@ -410,6 +423,7 @@ class Job:
                 deaths=self._deaths,
                 console=tail,
                 mpiexec_code=mpiexec_code,
+                launcher="srun" if self.slurm is not None else "mpiexec",
             )
         self.returncode = code
         for line in self.summary:

@@ -55,12 +55,14 @@ def summarise(
     deaths: list[tuple[float, list[int]]],
     console: str,
     mpiexec_code: int,
+    launcher: str = "mpiexec",
 ) -> list[str]:
     """Say which rank failed first and why, then who followed, from the run dir and what was seen.
 
     ``deaths`` are batches of ranks seen dying together (launcher's clock), ``console`` the tail of
     mpiexec's output. When one rank dies the process manager kills the rest, and gloo makes others
-    raise "Connection closed by peer", so order matters: the earliest event is the cause.
+    raise "Connection closed by peer", so order matters: the earliest event is the cause. ``launcher``
+    names the process manager (mpiexec, or srun in a Slurm allocation).
     """
     statuses, failures = read_reports(run_dir)
     died = {r for r, s in statuses.items() if s.get("state") == "running"}  # no clean end, no record
@@ -112,12 +114,12 @@ def summarise(
             lines.append(f"varuna: {who} {lead}: {f.get('type')}: {message} — log: {log}")
             cause = cause or f"rank {f['rank']}"
     if died and cause:
-        lines.append(f"varuna: {_ranks(died)} stopped by mpiexec after {cause}")
+        lines.append(f"varuna: {_ranks(died)} stopped by {launcher} after {cause}")
     elif died:
         lines += [death(r) for r in sorted(died)]
     if not lines and mpiexec_code != 0:
         missing = sorted(set(range(world)) - set(statuses))
         if missing:
             lines.append(f"varuna: {_ranks(missing)} never started (see the output above)")
-        lines.append(f"varuna: mpiexec exited with code {mpiexec_code} — logs: {_shown(run_dir / 'logs')}")
+        lines.append(f"varuna: {launcher} exited with code {mpiexec_code} — logs: {_shown(run_dir / 'logs')}")
     return lines
