@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import zmq
 
+from varuna._controller_stragglers import StragglerControl
 from varuna.elastic import agent as _agent
 from varuna.elastic.protocol import MORPH_EXIT, live_workers, request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
@@ -51,7 +52,7 @@ JobState = Literal["starting", "running", "checkpointing", "morphing", "stopped"
 TERMINAL = ("stopped", "failed", "finished")
 
 
-class JobController(StoreViews):
+class JobController(StoreViews, StragglerControl):
     """One job's controller; make it with `start` or `attach`."""
 
     def __init__(

@@ -42,6 +42,7 @@ from varuna._files import write_json_atomic
 from varuna.elastic.protocol import MORPH_EXIT, Shape
 from varuna.elastic.supervisor import USER_STOP, hostfile_slots, next_shape
 from varuna.errors import LaunchError
+from varuna.launch.exclude import hostfile_for
 from varuna.launch.job import Job
 from varuna.launch.launches import Launch, post_mortem
 from varuna.launch.pids import identity
@@ -149,10 +150,10 @@ class Agent:
         key = os.environ.get("VARUNA_EVENTS_KEY")
         if key:
             env["VARUNA_EVENTS_KEY"] = key
-        hostfile = self.spec.get("hostfile")
+        hostfile = hostfile_for(self.run_dir, self.spec.get("hostfile"))  # without an excluded host
         return Job(
             self.spec["argv"], pipeline=shape.pipeline, data=shape.data, run_dir=self.run_dir,
-            hostfile=Path(hostfile) if hostfile else None, extra_env=env, timeout_s=self.spec.get("timeout_s"),
+            hostfile=hostfile, extra_env=env, timeout_s=self.spec.get("timeout_s"),
             grace_s=float(self.spec.get("grace_s", 10.0)), stdout=_DISCARD, stderr=sys.stderr,
         )  # fmt: skip
 

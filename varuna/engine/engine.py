@@ -385,7 +385,7 @@ class Varuna:
             # Checkpoint now (a preempted VM has seconds), exit at the next step() so that the script
             # still sees this step's loss.
             self._morph_exit = self.checkpoint()
-            self._telemetry.checkpoint_done(self.last_checkpoint, exiting=True)  # telemetry
+            self._telemetry.checkpoint_done(self.last_checkpoint, exit_code=MORPH_EXIT)  # telemetry
         self._telemetry.on_step(loss, times)  # telemetry
         if want_ckpt and self._morph_exit is None:  # telemetry
             self.checkpoint()  # telemetry

@@ -40,6 +40,7 @@ from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.pids import check_status, job_processes, pid_alive
 from varuna.launch.postmortem import _shown, read_reports, summarise
 from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun_command
+from varuna.telemetry.straggler_watch import StragglerWatch, watch_config
 
 __all__ = [
     "Job", "run_job", "mpiexec_command", "find_mpiexec", "launcher_args", "mpi_flavor", "read_reports",
@@ -205,6 +206,8 @@ class Job:
         self._deadline: float | None = None
         self._timed_out = False
         self._meta: dict[str, Any] = {}
+        self._straggler_config = watch_config({**os.environ, **self.extra_env})  # checked before start
+        self.stragglers: StragglerWatch | None = None
 
     def start(self) -> None:
         """before -> running: make the run directory and start ``mpiexec`` in a session of its own."""
@@ -241,6 +244,7 @@ class Job:
         if self.slurm is not None:
             self._meta |= {"launcher": "srun", "slurm": self.slurm.to_json()}
         self._meta |= {"world": self.world, "start": time.time(), "command": cmd, "job_id": self.job_id}
+        self._meta["hostfile"] = str(self.hostfile) if self.hostfile else None
         write_json_atomic(self.run_dir / "job.json", self._meta)
         self._console = open(self.run_dir / "logs" / "console.log", "ab")  # noqa: SIM115
         shape = f"pipeline {self.pipeline} x data {self.data}"
@@ -263,6 +267,10 @@ class Job:
             self._threads.append(threading.Thread(target=self._watch, daemon=True))
         for thread in self._threads:
             thread.start()
+        if self._straggler_config is not None:
+            self.stragglers = StragglerWatch(
+                self.run_dir, self.job_id, self.err, self._straggler_config
+            ).start()
 
     def _pump(self, pipe: IO[bytes] | None, target: TextIO) -> None:
         """Copy mpiexec's output through as it comes (``\\r`` progress bars too) and keep a tail."""
@@ -389,6 +397,8 @@ class Job:
         for thread in self._threads:
             thread.join(timeout=2.0)
         self._console.close()
+        if self.stragglers is not None:
+            self.stragglers.stop()
         code = mpiexec_code = 128 - mpiexec_code if mpiexec_code < 0 else mpiexec_code
         statuses, failures = read_reports(self.run_dir)
         if self._timed_out:

@@ -21,6 +21,8 @@ _WHERE = {
     "PlanError": "search",
     "parse_memory": "memory",
     "format_bytes": "memory",
+    "plan_for_hosts": "hosts",
+    "host_speeds": "hosts",
 }
 __all__ = sorted(_WHERE)
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

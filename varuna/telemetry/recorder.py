@@ -294,8 +294,9 @@ class Telemetry:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.emit("error", error_type=type(exc).__name__, message=str(exc), traceback=text)
 
-    def checkpoint_done(self, info: dict[str, Any] | None, *, exiting: bool = False) -> None:
-        """After `engine.checkpoint()`: a `checkpoint_done` event, and `exit` when the job now morphs."""
+    def checkpoint_done(self, info: dict[str, Any] | None, *, exit_code: int | None = None) -> None:
+        """After `engine.checkpoint()`: a `checkpoint_done` event, and `exit` (with `exit_code`, the
+        engine's morph exit status) when the job now morphs."""
         self._checkpoint_wanted = False
         if info is not None:
             self.emit(
@@ -303,10 +304,8 @@ class Telemetry:
                 **{k: info[k] for k in ("path", "bytes", "seconds")},
                 saved_step=info["step"],
             )
-        if exiting and self._engine is not None:
-            from varuna.elastic.protocol import MORPH_EXIT
-
-            self.emit("exit", code=MORPH_EXIT, reason=f"stop requested ({self._engine.stop_request.reason})")
+        if exit_code is not None and self._engine is not None:
+            self.emit("exit", code=exit_code, reason=f"stop requested ({self._engine.stop_request.reason})")
 
     # commands ----------------------------------------------------------------------------------
     def poll(self) -> bool:

@@ -253,6 +253,11 @@ class EventStore:
             )
         return out
 
+    def step_events(self) -> list[dict[str, Any]]:
+        """The kept ``step_metrics`` events, by step and rank (each rank's ``compute_s``: stragglers)."""
+        with self._lock:
+            return [e for _, by_rank in sorted(self._metrics.items()) for _, e in sorted(by_rank.items())]
+
     def memory(self) -> list[StageMemory]:
         """The latest figures per stage."""
         with self._lock:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import ipywidgets as w
 
     from varuna_widgets.plot import PlotView
+    from varuna_widgets.stragglers import StragglerPanel
 
 _TERMINAL = ("stopped", "failed", "finished")
 _STATE_COLOR = {
@@ -66,6 +67,7 @@ class _Drawing:
     curves_fig: PlotView
     ranks_table: w.HTML
     problems: w.HTML
+    stragglers: StragglerPanel
 
     if TYPE_CHECKING:  # Workbench's own; only the type checker sees these, so Workbench's run
 
@@ -119,6 +121,7 @@ class _Drawing:
                 self._draw_curves(ctl, metrics)
                 self._draw_ranks(ctl)
                 self._draw_problems(ctl)
+                self.stragglers.draw(ctl)
             self.refreshes += 1
             self.refresh_seconds.append(time.perf_counter() - t0)
             del self.refresh_seconds[:-200]

@@ -16,7 +16,8 @@ resize never blocks the kernel; the state line always says where the job is.
 DOM contract (the browser test relies on it): buttons labelled "Start", "Checkpoint", "Resize",
 "Resume", "Stop", "Export trace"; IntText "P", "D", "GPUs"; the state line has class
 `varuna-state` and reads "state: ..."; the figures have classes `varuna-timeline`,
-`varuna-memory`, `varuna-curves`; the ranks table `varuna-ranks`.
+`varuna-memory`, `varuna-curves`; the ranks table `varuna-ranks`; the straggler panel's (button
+"Exclude host", figure `varuna-stragglers`) are in `varuna_widgets.stragglers`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from varuna.telemetry import Timeline
 from varuna_widgets import figures
 from varuna_widgets._drawing import _TERMINAL, _Drawing
 from varuna_widgets.plot import PlotView
+from varuna_widgets.stragglers import StragglerPanel
 
 __all__ = ["Workbench"]
 
@@ -177,6 +179,8 @@ class Workbench(_Drawing):
         self.ranks_table = w.HTML("")
         self.ranks_table.add_class("varuna-ranks")
         self.problems = w.HTML("")
+        self.stragglers = StragglerPanel(self._run_action, lambda: self._controller("exclude host"),
+                                         replay=self.replay_mode)  # fmt: skip
         self.slider = w.IntSlider(description="step", continuous_update=False, layout=w.Layout(width="60%"))
         self.slider.observe(lambda _c: None if self._quiet else self.refresh(force=True), names="value")
         controls = [*self.buttons.values(), self.p_input, self.d_input, self.gpus_input]
@@ -194,6 +198,7 @@ class Workbench(_Drawing):
                     layout=w.Layout(display="grid", grid_template_columns="1fr 1fr"),
                 ),
                 self.ranks_table,
+                self.stragglers.view,
             ]
         )
 

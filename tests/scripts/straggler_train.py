@@ -1,0 +1,50 @@
+"""The straggler test's training script: controller_train.py's tiny GPT on a larger batch, one host's rank on a small core.
+
+    JobController.start([this, STEPS, PAUSE], ...)   with STRAGGLER_CGROUP="h2=NAME" in the environment
+
+The rank on the named host waits until the test has moved it into the CPU cgroup NAME (the test's
+model of that host's one small core, where a busy loop runs too), then it trains STEPS steps (resuming
+from VARUNA_RESUME after a morph) and spins PAUSE seconds after each, so the test can act while the
+job runs. A spin, not a sleep: a rank that sleeps most of the time wakes with the scheduler's credit
+and runs its short steps ahead of the hog, while a busy rank (as a real training rank is) gets its
+fair share of the core.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+host, _, group = os.environ.get("STRAGGLER_CGROUP", "").partition("=")
+if group and socket.gethostname() == host:
+    deadline = time.monotonic() + 30.0
+    while f"/{group}\n" not in Path("/proc/self/cgroup").read_text():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not moved into the CPU cgroup {group} within 30 s")
+        time.sleep(0.05)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transparency_common import build, dataset, optimizer  # noqa: E402
+
+from varuna import Varuna  # noqa: E402
+from varuna.data import collate  # noqa: E402
+
+steps, pause = int(sys.argv[1]), float(sys.argv[2])
+GLOBAL_BATCH, MICRO_BATCH = 32, 4  # steps long enough (tens of ms) for the scheduler's slices to even out
+data = dataset("gpt")
+engine = Varuna(
+    build("gpt"),
+    global_batch_size=GLOBAL_BATCH,
+    micro_batch_size=MICRO_BATCH,
+    partition="uniform",
+    example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
+)
+engine.set_optimizer(optimizer(engine.parameters()))
+for step in range(engine.step_count, steps):
+    engine.step(engine.batch(data, step))
+    end = time.perf_counter() + pause
+    while time.perf_counter() < end:
+        pass
