@@ -18,7 +18,15 @@ import torch
 from _helpers import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
-from transparency_common import CLIP, CONFIGS, MODELS, SCHEDULES, reference, varlen  # noqa: E402
+from transparency_common import (  # noqa: E402
+    CHUNK_CONFIGS,
+    CLIP,
+    CONFIGS,
+    MODELS,
+    SCHEDULES,
+    reference,
+    varlen,
+)
 
 from varuna.schedule import schedule_spec  # noqa: E402
 
@@ -110,6 +118,37 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
         assert r["split"] == (0 if r["stage"] == 0 else split), r["stage"]
 
 
+CHUNK_CASES = [
+    (world, P, D, "" if part == "balanced" or P == 3 else "-uneven", kind, schedule)
+    for world, configs in CHUNK_CONFIGS.items()
+    for (P, D, part, kinds, schedules) in configs
+    for kind in kinds
+    for schedule in schedules
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "P", "D", "uneven", "kind", "schedule"),
+    CHUNK_CASES,
+    ids=[f"{k}-{P}x{D}{u}-{s}" for _, P, D, u, k, s in CHUNK_CASES],
+)
+def test_two_chunks_per_rank_equal_plain_training(runs, world, P, D, uneven, kind, schedule) -> None:
+    """interleaved-1f1b and zb-v (P x 2 virtual stages) train exactly as one process does."""
+    folder = runs[world] / f"{kind}-{P}x{D}{uneven}-{schedule}"
+    _check_against(folder, "rank*.pt", reference(kind), world)
+    results = [torch.load(f, weights_only=True) for f in sorted(folder.glob("rank*.pt"))]
+    held = {name for r in results for name in r["params"]}
+    assert held == set(reference(kind)[1])  # every parameter is held by some rank
+    spec = schedule_spec(schedule)
+    M = results[0]["microbatches"]
+    for r in results:
+        assert r["chunk_stages"] == spec.stages_of(r["stage"], P) and len(r["chunk_stages"]) == 2
+        assert r["in_memory"] == sorted(r["params"])  # only its two chunks' parameters are real
+        # zb-v splits every backward after virtual stage 0; interleaved its first and last per chunk
+        per_chunk = M if not spec.split_backward else 2
+        assert r["split"] == per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
+
+
 def _check_against(
     folder: Path,
     pattern: str,
@@ -128,6 +167,12 @@ def _check_against(
             torch.testing.assert_close(
                 value, expected, rtol=RTOL, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
             )
+
+
+def test_checkpoints_move_between_chunkings(runs) -> None:
+    """2 steps of zb-v, resumed for 2 of interleaved-1f1b (with recompute), resumed for 1 of 1f1b:
+    the 5 losses and final parameters of uninterrupted plain training."""
+    _check_against(runs[2], "chunk-resume-rank*.pt", reference("gpt"), 2)
 
 
 def test_variable_sequence_length(runs) -> None:

@@ -25,6 +25,18 @@ CONFIGS: dict[int, list[tuple[int, int, Any]]] = {
 }
 
 
+# Schedules with two chunks per rank (P x 2 virtual stages): world size -> (P, D, partition, models).
+# 4x1 needs 8 segments (a CutPoint inside every GPT block; an 8-layer BERT); the uneven splits: 4
+# virtual stages of 1, 1, 3 and 3 segments, and zb-v on 3 ranks (interleaved-1f1b needs M % P == 0).
+CHUNKED = ("interleaved-1f1b", "zb-v")
+CHUNK_CONFIGS: dict[int, list[tuple[int, int, Any, tuple[str, ...], tuple[str, ...]]]] = {
+    1: [(1, 1, "balanced", ("gpt",), CHUNKED)],
+    2: [(2, 1, "balanced", MODELS, CHUNKED), (2, 1, [0, 1, 4], ("gpt-midcut",), CHUNKED)],
+    3: [(3, 1, [0, 2, 3, 4, 6], ("gpt-midcut",), ("zb-v",))],
+    4: [(2, 2, "balanced", MODELS, CHUNKED), (4, 1, "balanced", ("gpt-midcut", "bert8"), CHUNKED)],
+}
+
+
 def build(kind: str) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "gpt-untied":  # the tied model's values plus a separate (random) head
@@ -35,6 +47,8 @@ def build(kind: str) -> nn.Module:
         return untied
     if kind == "gpt-midcut":  # the same GPT (same parameters) with a CutPoint inside every block too
         return GPT(dataclasses.replace(gpt_tiny(), cut_inside_blocks=True))
+    if kind == "bert8":  # 8 segments: enough for two chunks on each of 4 ranks
+        return BertMLM(dataclasses.replace(bert_tiny(), n_layer=8))
     return GPT(gpt_tiny()) if kind == "gpt" else BertMLM(bert_tiny())
 
 

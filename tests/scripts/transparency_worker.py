@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from transparency_common import (  # noqa: E402
+    CHUNK_CONFIGS,
     CLIP,
     CONFIGS,
     GLOBAL_BATCH,
@@ -47,31 +48,57 @@ def engine_for(kind: str, P: int, D: int, **kw: object) -> tuple[Varuna, object]
     return engine, data
 
 
-for P, D, partition in CONFIGS[world]:
-    for kind in MODELS:
-        for schedule in SCHEDULES:
-            engine, data = engine_for(kind, P, D, schedule=schedule, partition=partition)
-            engine.set_optimizer(optimizer(engine.parameters()))
-            losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
-            tag = out / f"{kind}-{P}x{D}-{schedule}"
-            tag.mkdir(parents=True, exist_ok=True)
-            params = {n: p.detach().clone() for n, p in engine.named_parameters()}
-            in_memory = sorted(n for n, p in engine.model.named_parameters() if not p.is_meta)
-            torch.save(
-                {
-                    "losses": losses,
-                    "params": params,
-                    "boundaries": engine.partition.boundaries,
-                    "in_memory": in_memory,
-                    "stage": engine.stage,
-                    "split": engine.last_times.split if engine.last_times is not None else 0,
-                    "microbatches": engine.config.num_microbatches,
-                },
-                tag / f"rank{engine.rank}.pt",
-            )
-            engine.close()
+runs = [(P, D, part, kind, s) for P, D, part in CONFIGS[world] for kind in MODELS for s in SCHEDULES]
+runs += [
+    (P, D, part, k, s)
+    for P, D, part, kinds, scheds in CHUNK_CONFIGS.get(world, [])
+    for k in kinds
+    for s in scheds
+]
+for P, D, partition, kind, schedule in runs:
+    engine, data = engine_for(kind, P, D, schedule=schedule, partition=partition)
+    engine.set_optimizer(optimizer(engine.parameters()))
+    losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
+    uneven = "" if partition == "balanced" or P == 3 else "-uneven"
+    tag = out / f"{kind}-{P}x{D}{uneven}-{schedule}"
+    tag.mkdir(parents=True, exist_ok=True)
+    params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    in_memory = sorted(n for n, p in engine.model.named_parameters() if not p.is_meta)
+    torch.save(
+        {
+            "losses": losses,
+            "params": params,
+            "boundaries": engine.partition.boundaries,
+            "in_memory": in_memory,
+            "stage": engine.stage,
+            "chunk_stages": engine.chunk_stages,
+            "split": engine.last_times.split if engine.last_times is not None else 0,
+            "microbatches": engine.config.num_microbatches,
+        },
+        tag / f"rank{engine.rank}.pt",
+    )
+    engine.close()
 
 if world == 2:
+    # Checkpoints are keyed by parameter name: a zb-v checkpoint resumes under interleaved-1f1b (other
+    # chunks, other placement), whose checkpoint resumes under 1f1b; interleaved with recompute too.
+    ckpt = out / "chunked-ckpt"
+    path = None
+    losses = []
+    for schedule, steps, kw in (
+        ("zb-v", 2, {}),
+        ("interleaved-1f1b", 2, {"recompute": True}),
+        ("1f1b", 1, {}),
+    ):
+        engine, data = engine_for("gpt", 2, 1, schedule=schedule, resume=path, **kw)
+        engine.set_optimizer(optimizer(engine.parameters()))
+        start = engine.step_count
+        losses += [engine.step(engine.batch(data, k)) for k in range(start, start + steps)]
+        path = engine.checkpoint(ckpt / schedule)
+        params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        engine.close()
+    torch.save({"losses": losses, "params": params}, out / f"chunk-resume-rank{engine.rank}.pt")
+
     # Activations whose shape changes every step (the sequence length grows).
     engine, data = engine_for("gpt", 2, 1, schedule="varuna")
     engine.set_optimizer(optimizer(engine.parameters()))

@@ -78,7 +78,7 @@ def test_action_round_trips_every_kind(kind: str) -> None:
 def test_kinds() -> None:
     assert KINDS == ("F", "B", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "W")
     assert COMPUTE_KINDS + COMM_KINDS + ("ALLREDUCE", WEIGHT_KIND) == KINDS
-    assert tuple(SCHEDULES) == ("gpipe", "1f1b", "varuna", "zb-h1")
+    assert tuple(SCHEDULES) == ("gpipe", "1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v")
 
 
 def test_the_registry_holds_each_schedules_behaviour() -> None:
@@ -87,10 +87,11 @@ def test_the_registry_holds_each_schedules_behaviour() -> None:
 
     assert schedule_spec("varuna").recompute and schedule_spec("varuna").pull_ahead
     assert not schedule_spec("1f1b").recompute and not schedule_spec("gpipe").pull_ahead
-    assert all(s.chunks_per_rank == 1 for s in SCHEDULES.values())
-    assert [n for n, s in SCHEDULES.items() if not s.split_backward] == ["zb-h1"]  # it places its own W
+    assert [n for n, s in SCHEDULES.items() if s.chunks_per_rank > 1] == ["interleaved-1f1b", "zb-v"]
+    assert [n for n, s in SCHEDULES.items() if not s.split_backward] == ["zb-h1", "zb-v"]  # they place W
     with pytest.raises(
-        ScheduleError, match=r"unknown schedule 'zb'; choose one of 'gpipe', '1f1b', 'varuna', 'zb-h1'"
+        ScheduleError,
+        match=r"unknown schedule 'zb'; choose one of 'gpipe', '1f1b', 'varuna', 'zb-h1', 'inter",
     ):
         schedule_spec("zb")
 
@@ -304,12 +305,16 @@ def test_add_communication_needs_stages_numbered_from_zero() -> None:
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("recompute", [None, True, False])
 def test_validate_accepts_all_schedules(name: str, recompute: bool | None) -> None:
+    spec = SCHEDULES[name]
+    chunks = {"chunks": spec.chunks_per_rank, "placement": spec.placement}
     for p in range(1, 6):
         for m in range(1, 10):
+            if name == "interleaved-1f1b" and m % p:
+                continue  # rounds of P micro-batches (test_interleaved_needs_whole_rounds)
             schedule = make_schedule(name, p, m, recompute=recompute)  # type: ignore[arg-type]
-            validate(schedule, p, m)
-            validate(add_communication(schedule), p, m)
-            validate(lower(schedule), p, m)
+            validate(schedule, p, m, **chunks)
+            validate(add_communication(schedule), p, m, **chunks)
+            validate(lower(schedule), p, m, **chunks)
 
 
 # --- validate: failures, each with the grid and a marked cell --------------------------------------
@@ -481,7 +486,9 @@ def test_bubble_fraction_rejects(args: tuple[str, int, int], match: str) -> None
         bubble_fraction(*args)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", [n for n, spec in SCHEDULES.items() if spec.split_backward])
+@pytest.mark.parametrize(
+    "name", [n for n, spec in SCHEDULES.items() if spec.split_backward and spec.chunks_per_rank == 1]
+)
 @pytest.mark.parametrize(("P", "M"), [(2, 1), (2, 4), (3, 5), (4, 8)])
 def test_split_backwards_gives_the_first_and_last_backward_a_weight_half(name: str, P: int, M: int) -> None:
     lowered = lower(make_schedule(name, P, M))  # type: ignore[arg-type]

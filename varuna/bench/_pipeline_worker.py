@@ -175,7 +175,7 @@ class _VarunaRunner:
             micro_batch_size=spec["micro_batch_size"],
             schedule=schedule,
             example_batch=example,
-            partition=spec.get("partition", "balanced"),
+            partition=_partition(spec, schedule),
             run_dir=spec["run_dir"],  # shares the segment profile (and so the partition) across schedules
         )
         self.engine.set_optimizer(torch.optim.AdamW(self.engine.parameters(), lr=LR))
@@ -193,6 +193,21 @@ def _units(n_layer: int, inside: bool) -> list[tuple[str, int]]:
     if not inside:
         return [("block", i) for i in range(n_layer)]
     return [(half, i) for i in range(n_layer) for half in ("attend", "feed")]
+
+
+def _chunks(schedule: str) -> int:
+    from varuna.schedule import schedule_spec
+
+    return schedule_spec(schedule).chunks_per_rank
+
+
+def _partition(spec: dict[str, Any], schedule: str) -> Any:
+    """The boundaries the first engine with this many chunks per rank chose, else the spec's
+    partition (one chunk per rank) or "balanced"."""
+    chosen = spec.get("boundaries_by_chunks", {}).get(str(_chunks(schedule)))
+    if chosen is not None:
+        return chosen
+    return spec.get("partition", "balanced") if _chunks(schedule) == 1 else "balanced"
 
 
 def _stage_units(boundaries: list[int], stage: int, units: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -245,40 +260,55 @@ class _TorchRunner:
             PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
+            ScheduleInterleaved1F1B,
             ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
         )
+
+        from varuna.schedule import schedule_spec
 
         self.rank, P = dist.get_rank(), dist.get_world_size()
         if P != spec["pipeline"]:
             raise RuntimeError(
                 f"torch.pipelining job has {P} ranks but the spec says pipeline={spec['pipeline']}"
             )
-        self.last = self.rank == P - 1
+        # the virtual stages this rank holds, as Varuna places them (one per rank but for the
+        # multi-chunk schedules: round-robin for interleaved-1f1b, a V for zb-v)
+        sched = schedule_spec(name)
+        n = P * sched.chunks_per_rank
+        held = sched.stages_of(self.rank, P)
+        self.first, self.last = 0 in held, n - 1 in held
         units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
         gpt = _model(spec["model"])
-        self.module = _Stage(
-            gpt, _stage_units(spec["boundaries"], self.rank, units), first=self.rank == 0, last=self.last
-        )
+        bounds = spec["boundaries_by_chunks"][str(sched.chunks_per_rank)]
+        self.modules = [
+            _Stage(gpt, _stage_units(bounds, v, units), first=v == 0, last=v == n - 1) for v in held
+        ]
         del gpt
-        stage = PipelineStage(self.module, self.rank, P, torch.device("cpu"))
+        stages: list[Any] = [PipelineStage(m, v, n, torch.device("cpu")) for m, v in zip(self.modules, held)]
         M = spec["global_batch_size"] // spec["micro_batch_size"]
         self.schedule: Any
         if name == "zb-h1":  # torch's ZB1P (ZB-H1) is its interleaved zero-bubble schedule on one stage
-            self.schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=M, loss_fn=_lm_loss)
+            self.schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=M, loss_fn=_lm_loss)
+        elif name == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=_lm_loss)
+        elif name == "zb-v":
+            self.schedule = ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=_lm_loss)
         else:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-            self.schedule = kind(stage, n_microbatches=M, loss_fn=_lm_loss)
-        self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
+            self.schedule = kind(stages[0], n_microbatches=M, loss_fn=_lm_loss)
+        # two chunks of a block cut inside it share its module: each parameter once
+        params = {id(p): p for m in self.modules for p in m.parameters()}
+        self.opt = torch.optim.AdamW(list(params.values()), lr=LR)
 
     def step(self, batch: dict[str, Tensor]) -> float | None:
         mb_losses: list[Tensor] = []
         self.opt.zero_grad(set_to_none=True)
-        if self.rank == 0:
-            self.schedule.step(batch["input_ids"])
-        elif self.last:
-            self.schedule.step(target=batch["labels"], losses=mb_losses, return_outputs=False)
+        args = (batch["input_ids"],) if self.first else ()
+        if self.last:
+            self.schedule.step(*args, target=batch["labels"], losses=mb_losses, return_outputs=False)
         else:
-            self.schedule.step()
+            self.schedule.step(*args)
         self.opt.step()
         return float(torch.stack(mb_losses).detach().mean()) if mb_losses else None
 
@@ -325,10 +355,13 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if name in varuna_schedules:
             runner = _VarunaRunner(spec, name, batches[0])
             engine = runner.engine
-            if "boundaries" not in spec:  # the first engine chose them: every other system uses them
-                spec["boundaries"] = spec["partition"] = list(engine.partition.boundaries)
+            chosen = spec.setdefault("boundaries_by_chunks", {})
+            if str(_chunks(name)) not in chosen:  # the first engine chose them: every other system uses them
+                chosen[str(_chunks(name))] = list(engine.partition.boundaries)
                 if rank == 0:
-                    _log(f"P={P}: boundaries {spec['boundaries']}")
+                    _log(
+                        f"P={P}, {_chunks(name)} chunk(s) per rank: boundaries {list(engine.partition.boundaries)}"
+                    )
             systems["varuna"] = runner
         if name in torch_schedules:
             systems["torch.pipelining"] = _TorchRunner(spec, name)
@@ -377,7 +410,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "pipeline": P,
                 "microbatches": M,
                 **_summary(slowest[system], [r["systems"][system]["cpu_s"] for r in every], spec),
-                "boundaries": spec["boundaries"],
+                "boundaries": spec["boundaries_by_chunks"][str(_chunks(name))],
                 "step_peak_bytes_per_stage": [r["peaks"][system] for r in every],
             }
             if system == "varuna":

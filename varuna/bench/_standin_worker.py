@@ -60,7 +60,7 @@ def measure(kind: str, spec: dict[str, Any], pipeline: int) -> dict[str, Any]:
         for _ in range(spec["repeats"] + 1):
             standin.timer.seconds = 0.0
             t0 = time.perf_counter()
-            out = runtime._forward(0, inputs, grad=True)
+            out = runtime._forward(runtime.chunks[engine.stage], 0, inputs, grad=True)
             forward_s.append(time.perf_counter() - t0)
             standin_s.append(standin.timer.seconds)
             del out

@@ -66,8 +66,8 @@ __all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "format_ta
 
 _ROOT = Path(__file__).resolve().parents[2]
 _WORKER = "varuna.bench._pipeline_worker"
-VARUNA_SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1")
-TORCH_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+VARUNA_SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v")
+TORCH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,13 +139,13 @@ def full() -> PipelineBench:
 
 
 def quick() -> PipelineBench:
-    """`gpt_tiny()` with CutPoints inside the blocks as in `full`, batch 8 in 4 micro-batches, P = 3
+    """`gpt_tiny()` with CutPoints inside the blocks as in `full`, batch 12 in 6 micro-batches, P = 3
     only (first, middle and last stages), 1+2 steps."""
     from varuna.models import gpt_tiny
 
     return PipelineBench(
         model=asdict(gpt_tiny()) | {"cut_inside_blocks": True},
-        global_batch_size=8,
+        global_batch_size=12,  # M = 6: interleaved-1f1b runs rounds of P micro-batches
         micro_batch_size=2,
         pipelines=(3,),
         steps=2,
@@ -287,6 +287,35 @@ def paired_ratios(results: list[dict[str, Any]], resamples: int = 2000) -> dict[
     return {"varuna_over_torch_pipelining": vs_torch, "of_bubble_ideal": of_ideal}
 
 
+def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets at the smallest P (the paired job): Varuna's fastest schedule over
+    torch.pipelining's 1F1B and over its fastest schedule (median samples/s of the same rounds), and
+    the smallest paired ratio over the schedules both run (each should be >= 1)."""
+    P = min(r["pipeline"] for r in results if r["system"] != "single")
+    rate = {
+        system: {
+            r["schedule"]: r["samples_per_s"] for r in results if r["system"] == system and r["pipeline"] == P
+        }
+        for system in ("varuna", "torch.pipelining")
+    }
+    mine, theirs = rate["varuna"], rate["torch.pipelining"]
+    if not mine or not theirs:
+        return {}
+    best, best_torch = max(mine, key=mine.__getitem__), max(theirs, key=theirs.__getitem__)
+    paired = paired_ratios(results)["varuna_over_torch_pipelining"].get(f"P{P}", {})
+    worst = min(paired, key=lambda s: paired[s]["median"]) if paired else None
+    out: dict[str, Any] = {
+        "pipeline": P,
+        "varuna_best": best,
+        "torch_best": best_torch,
+        "varuna_best_over_torch_best": round(mine[best] / theirs[best_torch], 4),
+        "worst_same_schedule": None if worst is None else {"schedule": worst, **paired[worst]},
+    }
+    if "1f1b" in theirs:
+        out["varuna_best_over_torch_1f1b"] = round(mine[best] / theirs["1f1b"], 4)
+    return out
+
+
 def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, Any]:
     """varuna / torch.pipelining per (P, schedule), and every pipeline's share of its bubble-limited ideal.
 
@@ -297,6 +326,7 @@ def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, 
     return {
         **_ratios(results, "samples_per_s"),
         "paired": paired_ratios(results),
+        "targets": targets(results),
         "from_best_step": _ratios(results, "best_samples_per_s"),
         "oversubscribed": {f"P{P}": P > host_cores for P in pipelines},
     }
@@ -311,14 +341,14 @@ def format_table(report: dict[str, Any]) -> str:
         f"{m['micro_batch_size']}; {m['threads_per_rank']} thread/rank on {m['host_cores']} cores "
         f"(load {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after)",
         "",
-        f"{'system':<17} {'schedule':<8} {'P':>2} {'M':>2} {'samples/s':>10} {'best':>7} {'step s':>8} "
+        f"{'system':<17} {'schedule':<16} {'P':>2} {'M':>2} {'samples/s':>10} {'best':>7} {'step s':>8} "
         f"{'of ideal':>9} {'cpu s/step per stage':>28} {'step peak MB per stage':>24}",
     ]
     ideal = report["ratios"]["of_bubble_ideal"]
     for r in report["results"]:
         share = ideal.get(r["system"], {}).get(f"P{r['pipeline']}", {}).get(r["schedule"])
         lines.append(
-            f"{r['system']:<17} {r['schedule'] or '-':<8} {r['pipeline']:>2} {r['microbatches']:>2} "
+            f"{r['system']:<17} {r['schedule'] or '-':<16} {r['pipeline']:>2} {r['microbatches']:>2} "
             f"{r['samples_per_s']:>10.2f} {r['best_samples_per_s']:>7.2f} {r['median_step_s']:>8.3f} "
             f"{'' if share is None else f'{share:.2f}':>9} "
             f"{' '.join(f'{c:.3f}' for c in r['cpu_s_per_step_per_stage']):>28} "
@@ -343,6 +373,19 @@ def format_table(report: dict[str, Any]) -> str:
             for s, v in per.items()
         )
         lines.append(f"paired, torch step / varuna step at {key}: {pairs}")
+    goal = report["ratios"].get("targets") or {}
+    if goal:
+        worst = goal["worst_same_schedule"]
+        lines.append(
+            f"targets at P{goal['pipeline']}: varuna's best ({goal['varuna_best']}) / torch 1f1b "
+            f"{goal.get('varuna_best_over_torch_1f1b', float('nan')):.3f} (>= 1.10), / torch's best "
+            f"({goal['torch_best']}) {goal['varuna_best_over_torch_best']:.3f} (>= 1.0)"
+            + (
+                ""
+                if worst is None
+                else f"; worst same-schedule pair {worst['schedule']} {worst['median']:.3f}"
+            )
+        )
     lines.append(f"wall time {report['wall_s']:.0f} s")
     return "\n".join(lines)
 

@@ -72,6 +72,7 @@ __all__ = ["HEADER_LEN", "Value", "flatten_value", "encode_header", "decode_head
 _SLOTS = 128  # tag = microbatch * _SLOTS + slot: 0 header, 1.. activations, 32.. gradients, 64.. early
 _LATE, _GRAD, _EARLY = 1, 32, 64
 _STEP = _SLOTS - 1  # micro-batch 0's last slot: the step message (a header fills at most 31 slots)
+_STREAM = 1 << 20  # tag offset per stage boundary, with several chunks per rank (M < 8192)
 
 Value = Any  # a tensor or a tuple of tensors
 
@@ -186,9 +187,13 @@ class P2P:
         device: torch.device,
         *,
         ordered: bool | None = None,
+        tags: tuple[int, int] | None = None,
     ) -> None:
         self.prev = prev_rank
         self.next = next_rank
+        # Streams of their own where one rank pair carries several (chunks of interleaved
+        # schedules): (boundary in, boundary out), the virtual stages received by and sent to.
+        self._in, self._out = (tags[0] * _STREAM, tags[1] * _STREAM) if tags is not None else (0, 0)
         self.device = device
         self.ordered = device.type == "cuda" if ordered is None else ordered
         """NCCL ignores tags and pairs a direction's sends and receives in posting order, so on it
@@ -225,10 +230,10 @@ class P2P:
             self._keys = dict(enumerate(keys))
             self._promised = [not h for h in header]
             msg = torch.tensor([n, *map(int, header)], dtype=torch.int64, device=self.device)
-            self._sends.append((dist.isend(msg, self.next, tag=_STEP), msg))
+            self._sends.append((dist.isend(msg, self.next, tag=self._out + _STEP), msg))
         if self.prev is not None:
             buf = torch.empty(n + 1, dtype=torch.int64, device=self.device)
-            self._step_in = (dist.irecv(buf, self.prev, tag=_STEP), buf)
+            self._step_in = (dist.irecv(buf, self.prev, tag=self._in + _STEP), buf)
             self._told = None
             for m in range(n):
                 self.post_activation_header(m)
@@ -271,7 +276,10 @@ class P2P:
         last = self._last_in.get(mb)
         if last is not None:
             tensors = self._empty(last)
-            works += [dist.irecv(t, self.prev, tag=mb * _SLOTS + _EARLY + i) for i, t in enumerate(tensors)]
+            works += [
+                dist.irecv(t, self.prev, tag=self._in + mb * _SLOTS + _EARLY + i)
+                for i, t in enumerate(tensors)
+            ]
             pending.early = (last, tensors)
         if self._step_in is None:  # no step message: the header surely follows, post it now
             works.append(self._post_header_recv(mb, pending))
@@ -281,7 +289,7 @@ class P2P:
     def _post_header_recv(self, mb: int, pending: _Pending) -> Any:
         assert self.prev is not None
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        pending.header = dist.irecv(buf, self.prev, tag=mb * _SLOTS)
+        pending.header = dist.irecv(buf, self.prev, tag=self._in + mb * _SLOTS)
         pending.buffers.append(buf)
         return pending.header
 
@@ -310,7 +318,10 @@ class P2P:
             self.early_received += 1
             return []
         pending.data = self._empty(sig)
-        return [dist.irecv(t, self.prev, tag=mb * _SLOTS + _LATE + i) for i, t in enumerate(pending.data)]
+        return [
+            dist.irecv(t, self.prev, tag=self._in + mb * _SLOTS + _LATE + i)
+            for i, t in enumerate(pending.data)
+        ]
 
     def activation_ready(self, mb: int) -> bool:
         """Whether micro-batch `mb`'s activation has arrived (with a watcher: all of it; without,
@@ -368,18 +379,22 @@ class P2P:
             early = sig == last
             if last is not None and not early:  # the early receives wait for the old shapes: fill them
                 for i, t in enumerate(self._empty(last)):
-                    self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + _EARLY + i), t))
+                    self._sends.append(
+                        (dist.isend(t, self.next, tag=self._out + mb * _SLOTS + _EARLY + i), t)
+                    )
         if early:
             self._send_data(mb, _EARLY, tensors)
         if not self._promised or mb >= len(self._promised) or not self._promised[mb]:
             header = encode_signature(sig).to(self.device)
-            self._sends.append((dist.isend(header, self.next, tag=mb * _SLOTS), header))
+            self._sends.append((dist.isend(header, self.next, tag=self._out + mb * _SLOTS), header))
             self.headers_sent += 1
             self._last_out[mb] = sig
             if not early:
                 self._send_data(mb, _LATE, tensors)
         grads = [torch.empty_like(t) for t in tensors if _floating(t)]
-        works = [dist.irecv(g, self.next, tag=mb * _SLOTS + _GRAD + i) for i, g in enumerate(grads)]
+        works = [
+            dist.irecv(g, self.next, tag=self._out + mb * _SLOTS + _GRAD + i) for i, g in enumerate(grads)
+        ]
         arrival = self._from_next.watch(works) if self._from_next is not None and works else None
         self._grads[mb] = _Pending(works, grads, arrival)
         self.comm_s += time.perf_counter() - t0
@@ -387,7 +402,7 @@ class P2P:
     def _send_data(self, mb: int, slot: int, tensors: list[torch.Tensor]) -> None:
         assert self.next is not None
         for i, t in enumerate(tensors):
-            self._sends.append((dist.isend(t, self.next, tag=mb * _SLOTS + slot + i), t))
+            self._sends.append((dist.isend(t, self.next, tag=self._out + mb * _SLOTS + slot + i), t))
             self.bytes_sent += t.numel() * t.element_size()
 
     # gradients ---------------------------------------------------------------------------------
@@ -411,7 +426,7 @@ class P2P:
         for i, t in enumerate(x for x in tensors if _floating(x)):
             g = t.grad if t.grad is not None else torch.zeros_like(t)
             g = g.contiguous()
-            self._sends.append((dist.isend(g, self.prev, tag=mb * _SLOTS + _GRAD + i), g))
+            self._sends.append((dist.isend(g, self.prev, tag=self._in + mb * _SLOTS + _GRAD + i), g))
             self.bytes_sent += g.numel() * g.element_size()
         self.comm_s += time.perf_counter() - t0
 

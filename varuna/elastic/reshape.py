@@ -70,15 +70,23 @@ def choose_shape(gpus: int, engine_info: dict[str, Any]) -> Shape:
         raise ConfigError(f"--gpus must be at least 1, got {gpus}")
     batch, mbs = engine_info["global_batch_size"], engine_info["micro_batch_size"]
     segments, current = engine_info["num_segments"], engine_info["pipeline"]
+    spec = schedule_spec(engine_info.get("schedule", "1f1b"))
+    chunks = spec.chunks_per_rank  # a multi-chunk schedule cuts P x chunks stages
+    rounds = spec.rounds  # micro-batches in rounds of P: M a multiple of P
+
+    def runs(p: int, d: int) -> bool:
+        return p * chunks <= segments and not (rounds and (batch // (d * mbs)) % p)
+
     fits = [
         Shape(gpus // d, d)
         for d in range(1, gpus + 1)
-        if gpus % d == 0 and batch % (d * mbs) == 0 and gpus // d <= segments
+        if gpus % d == 0 and batch % (d * mbs) == 0 and runs(gpus // d, d)
     ]
     if not fits:
+        per = f" ({chunks} chunks per rank for {engine_info.get('schedule')})" if chunks > 1 else ""
         raise ConfigError(
             f"no pipeline x data = {gpus} keeps the global batch {batch} with micro-batches of {mbs} "
-            f"and at most {segments} stages; choose another device count or give --pipeline and --data"
+            f"and at most {segments} stages{per}; choose another device count or give --pipeline and --data"
         )
     return min(fits, key=lambda s: (s.pipeline < current, abs(s.pipeline - current)))
 

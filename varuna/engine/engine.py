@@ -31,7 +31,7 @@ from torch import nn
 from varuna._files import write_json_atomic
 from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
-from varuna.comm.p2p import P2P, GradBuckets
+from varuna.comm.p2p import GradBuckets
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
 from varuna.elastic.protocol import MORPH_EXIT, StopRequest
@@ -39,7 +39,7 @@ from varuna.engine import stage as _stage
 from varuna.engine import train_state as _train_state
 from varuna.engine.config import VarunaConfig
 from varuna.engine.precision import LossScaler, autocast_policy
-from varuna.engine.runtime import StageRuntime, StepTimes
+from varuna.engine.runtime import Chunk, StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError
 from varuna.planner.costs import model_signature
 from varuna.schedule import Action, build_schedule, schedule_spec
@@ -125,19 +125,31 @@ class Varuna:
 
         micro = None if cfg.engine.pipeline == 1 and example_batch is None else self._example(example_batch)
         self.trace, traced = _stage.trace(model, micro)  # traced: output shapes, for skipped modules
+        spec = schedule_spec(cfg.engine.schedule)
+        self.chunk_stages = spec.stages_of(self.stage, P)  # the virtual stages this rank holds
+        rank_of = lambda s: spec.rank_of(s, P)  # noqa: E731
+        if spec.chunks_per_rank > 1 and self.device.type == "cuda":
+            raise ConfigError(
+                f"schedule {cfg.engine.schedule!r} ({spec.chunks_per_rank} chunks per rank) runs on gloo for now: "
+                "NCCL pairs the messages of a rank pair in posting order, and two chunks share a pair; use "
+                "schedule='zb-h1' or '1f1b' on GPUs"
+            )
         self.partition = _stage.partition(
-            model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast
-        )
-        owned = set(self.partition.stage_params[self.stage])
+            model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast,
+            num_stages=P * spec.chunks_per_rank,
+        )  # fmt: skip
+        owned = {n for v in self.chunk_stages for n in self.partition.stage_params[v]}
         _stage.strip(model, owned, self.device, traced)
         _stage.to_device(model, self.device)
         self._params = _stage.owned_parameters(model)
-        self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage)
+        self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage, rank_of)
         self._resume_path = (
             ckpt.resolve(cfg.checkpoint.resume, cfg.run_dir) if cfg.checkpoint.resume is not None else None
         )
         if self._resume_path is None:  # a checkpoint overwrites every value anyway
-            _stage.broadcast_initial_values(self._params, self.stage, self._dp_group, self._tied_groups)
+            _stage.broadcast_initial_values(
+                self._params, self.stage, self._dp_group, self._tied_groups, rank_of
+            )
 
         tied_names = {n for g in self.partition.tied for n in g.names}
         by_name = dict(self._params)
@@ -148,8 +160,9 @@ class Varuna:
         self._tied_local = [
             (g, pg, [by_name[n] for n in g.names if n in by_name])
             for g, pg, _ in self._tied_groups
-            if self.stage in g.stages
+            if set(self.chunk_stages) & set(g.stages)
         ]
+        self._tied_first = [rank_of(g.stages[0]) == self.stage for g, _, _ in self._tied_local]
 
         lowered = build_schedule(
             cfg.engine.schedule,
@@ -160,25 +173,26 @@ class Varuna:
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
-        prev_rank = self.rank - 1 if self.stage > 0 else None
-        next_rank = self.rank + 1 if self.stage < P - 1 else None
-        self._p2p = P2P(prev_rank, next_rank, self.device)
+        chunks = _stage.chunk_links(self.chunk_stages, P * spec.chunks_per_rank, rank_of, self.rank, self.stage,
+                                    self.device)  # fmt: skip
         names = cut_names(model)
         position = {name: i for i, name in enumerate(self.trace.cut_names)}
         index_of = {mid: position.get(name, -1) for mid, name in names.items()}
         self._runtime = StageRuntime(
             model,
-            stage=self.stage,
-            num_stages=P,
+            chunks=[
+                Chunk(v, self.partition.start_cut(v), self.partition.end_cut(v), up, down)
+                for v, (up, down) in zip(self.chunk_stages, chunks)
+            ],
+            num_stages=P * spec.chunks_per_rank,
             cut_index=index_of,
             cut_names=self.trace.cut_names,
-            start_cut=self.partition.start_cut(self.stage),
-            end_cut=self.partition.end_cut(self.stage),
-            p2p=self._p2p,
+            device=self.device,
             autocast=self.autocast,
             recompute=cfg.engine.uses_recompute,
-            opportunistic=schedule_spec(cfg.engine.schedule).pull_ahead,
+            opportunistic=spec.pull_ahead,
             where=self.where,
+            traced=traced,
         )
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
@@ -307,7 +321,7 @@ class Varuna:
         for w in self._works:
             w.wait()
         self._finish_tied()
-        self._p2p.finish()
+        self._runtime.finish()
         grads = [p.grad for _, p in self._params if p.grad is not None]
         sumsq = self._local_sumsq()
         want_ckpt = self._telemetry.poll()  # telemetry: rank 0's controller commands (stop sets stop_request)
@@ -440,13 +454,13 @@ class Varuna:
         """Squared norm of the gradients this rank contributes (a tied weight counted once); inf/nan
         propagate, which is the fp16 overflow check."""
         tensors = list(self._buckets.buffers)
-        tensors += [t for (g, _, _), t in zip(self._tied_local, self._tied_sums) if self.stage == g.stages[0]]
+        tensors += [t for first, t in zip(self._tied_first, self._tied_sums) if first]
         norms = torch._foreach_norm(tensors) if tensors else []
         return sum(float(n) ** 2 for n in norms)
 
     def close(self) -> None:
         """Release this engine's process groups (the default group stays for the next engine)."""
-        self._p2p.close()
+        self._runtime.close()
         groups = [self._dp_group] if self._dp_group is not None else []
         groups += [pg for _, pg, _ in self._tied_groups if pg is not None]
         for pg in groups:
@@ -466,6 +480,11 @@ class Varuna:
             f"Varuna {cfg.engine.pipeline}x{cfg.engine.data} ({cfg.engine.schedule}, {cfg.engine.precision}, {cfg.engine.num_microbatches} micro-batches "
             f"of {cfg.engine.micro_batch_size}) — {self.where}{planned}\n{self.partition.describe()}"
         )
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The global rank holding virtual stage `stage` in this rank's replica."""
+        P = self.config.engine.pipeline
+        return self.rank - self.stage + schedule_spec(self.config.engine.schedule).rank_of(stage, P)
 
     def config_dict(self) -> dict[str, Any]:
         return self.config.options()

@@ -29,14 +29,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from varuna.comm.p2p import P2P, flatten_value
+from varuna.comm.p2p import flatten_value
 from varuna.cut.cutpoint import CutPoint, _handling, model_loss
 from varuna.cut.standin import cross_stage_error, origin_of, stand_in_context
 from varuna.engine.backward import WeightGrads, input_grads_first
+from varuna.engine.chunks import guard_chunks
 from varuna.errors import PartitionError
 from varuna.schedule import WEIGHT_KIND, Action, Span
 
-__all__ = ["StageRuntime", "StepTimes", "Span", "Observer"]
+__all__ = ["StageRuntime", "Chunk", "StepTimes", "Span", "Observer"]
 
 
 @dataclass(slots=True)
@@ -101,10 +102,13 @@ class _StageCuts:
         self.names = names
         self.inputs: Any = None
         self.output: Any = None
+        self.before_start = False
+        """True while a forward runs the model before this chunk's input CutPoint."""
 
     def on_cut(self, cut: CutPoint, value: Any) -> Any:
         index = self.index_of[id(cut)]
         if index == self.start:
+            self.before_start = False
             return self.inputs
         if index == self.end:
             self.output = value
@@ -132,41 +136,95 @@ def _fresh(value: Any) -> Any:
     return tuple(out) if is_tuple else out[0]
 
 
+@dataclass(slots=True)
+class Chunk:
+    """One model chunk a rank runs: its virtual stage, where it starts and ends in the model, and the
+    links it receives on (`up`: activations in, gradients out) and sends on (`down`). With one chunk
+    per rank both are the rank's `P2P`; a chunk whose neighbour is on the same rank (the turn of
+    zb-v's V) gets a `varuna.comm.local.LocalLink`."""
+
+    stage: int
+    start_cut: int | None
+    end_cut: int | None
+    up: Any = None
+    down: Any = None
+
+
+class _ChunkRun:
+    """A chunk while the runtime runs it: the CutPoint handler and one step's micro-batch state."""
+
+    def __init__(self, chunk: Chunk, cuts: _StageCuts, last: bool, recompute: bool) -> None:
+        self.stage = chunk.stage
+        self.up, self.down = chunk.up, chunk.down
+        self.cuts = cuts
+        self.first = chunk.stage == 0
+        self.last = last
+        self.recompute = recompute and not last
+        self.reset(set())
+
+    def reset(self, split: set[int | None]) -> None:
+        self.inputs: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = {}
+        self.rng: dict[int, Any] = {}
+        self.grads: dict[int, list[torch.Tensor]] = {}
+        self.weights: dict[int, WeightGrads] = {}
+        self.split = split
+
+
 class StageRuntime:
-    """Executes a stage's actions; owns nothing but the per-step state of its micro-batches."""
+    """Executes a rank's actions over its chunks; owns nothing but the per-step state of its
+    micro-batches. With several chunks, a chunk's forward skips the rank's other chunks' modules
+    that run before its start (`varuna.engine.chunks.guard_chunks`)."""
 
     def __init__(
         self,
         model: nn.Module,
         *,
-        stage: int,
+        chunks: Sequence[Chunk],
         num_stages: int,
         cut_index: Mapping[int, int],
         cut_names: list[str],
-        start_cut: int | None,
-        end_cut: int | None,
-        p2p: P2P,
+        device: torch.device,
         autocast: Callable[[], AbstractContextManager[object]],
         recompute: bool,
         opportunistic: bool,
         where: str,
+        traced: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
-        self.stage = stage
-        self.last = stage == num_stages - 1
-        self.first = stage == 0
-        self.cuts = _StageCuts(cut_index, start_cut, end_cut, cut_names)
-        self.p2p = p2p
+        self.device = device
         self.autocast = autocast
-        self.recompute = recompute and not self.last
         self.opportunistic = opportunistic
         self.where = where
         self.observer: Observer = _Unobserved()
         """Told of each step and each send; the engine sets its telemetry here."""
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        self._stand_ins = stand_in_context(
-            stage, cut_names[start_cut] if start_cut is not None else None, names
+        self.chunks = {
+            c.stage: _ChunkRun(
+                c,
+                _StageCuts(cut_index, c.start_cut, c.end_cut, cut_names),
+                last=c.stage == num_stages - 1,
+                recompute=recompute,
+            )
+            for c in chunks
+        }
+        self.links = list(
+            {id(link): link for c in chunks for link in (c.up, c.down) if link is not None}.values()
         )
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._stand_ins = {
+            c.stage: stand_in_context(
+                c.stage, cut_names[c.start_cut] if c.start_cut is not None else None, names
+            )
+            for c in chunks
+        }
+        self._current: _ChunkRun | None = None
+        if len(chunks) > 1:
+            guard_chunks(model, device, traced or {}, self.before_start)
+
+    def before_start(self) -> bool:
+        """Whether the running forward has not reached its chunk's input CutPoint yet."""
+        current = self._current
+        return current is not None and current.cuts.before_start
 
     # one step ----------------------------------------------------------------------------------
     def run(
@@ -191,23 +249,25 @@ class StageRuntime:
         self.micro = micro
         self.loss_coef = loss_coef
         self.allreduce = allreduce
-        self.inputs: dict[int, Any] = {}
-        self.outputs: dict[int, Any] = {}
-        self.rng: dict[int, Any] = {}
-        self.grads: dict[int, list[torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
         self.times = StepTimes()
-        self.weights: dict[int, WeightGrads] = {}
-        self._split = {a.microbatch for a in actions if a.kind == WEIGHT_KIND}
-        if self._split:
+        for v, c in self.chunks.items():
+            c.reset({a.microbatch for a in actions if a.kind == WEIGHT_KIND and a.stage == v})
+        if any(c.split for c in self.chunks.values()):
             self._params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]
-        idle0, comm0 = self.p2p.idle_s, self.p2p.comm_s
+        idle0 = sum(link.idle_s for link in self.links)
+        comm0 = sum(link.comm_s for link in self.links)
         start = time.perf_counter()
-        self.p2p.begin_step(micro)  # which activations come with shapes; receives posted early
+        for link in self.links:
+            link.begin_step(micro)  # which activations come with shapes; receives posted early
         queue = list(actions)
         while queue:
             head = queue[0]
-            if self.opportunistic and head.kind == "RECV_B" and not self.p2p.grad_ready(head.microbatch or 0):
+            if (
+                self.opportunistic
+                and head.kind == "RECV_B"
+                and not self.chunks[head.stage].down.grad_ready(head.microbatch or 0)
+            ):
                 ahead = self._forward_ready(queue)
                 if ahead:
                     for a in ahead:
@@ -216,16 +276,26 @@ class StageRuntime:
                     continue
             self._execute(queue.pop(0))
         self.times.total_s = time.perf_counter() - start
-        self.times.idle_s = self.p2p.idle_s - idle0
-        self.times.comm_s += self.p2p.comm_s - comm0
+        self.times.idle_s = sum(link.idle_s for link in self.links) - idle0
+        self.times.comm_s += sum(link.comm_s for link in self.links) - comm0
         return self.losses, self.times
+
+    def finish(self) -> None:
+        """Wait for every send of the step (after the reductions started)."""
+        for link in self.links:
+            link.finish()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
 
     def _forward_ready(self, queue: list[Action]) -> list[Action]:
         """The next forward's actions, if its input is here; else nothing."""
         for i, a in enumerate(queue):
             if a.kind == "F":
                 m = a.microbatch
-                if not self.first and not self.p2p.activation_ready(m or 0):
+                c = self.chunks[a.stage]
+                if not c.first and not c.up.activation_ready(m or 0):
                     return []
                 group = [a]
                 if i > 0 and queue[i - 1].kind == "RECV_F":
@@ -238,7 +308,10 @@ class StageRuntime:
     def _execute(self, action: Action) -> None:
         t0 = time.perf_counter()
         try:
-            getattr(self, "_do_" + action.kind)(action.microbatch)
+            if action.kind == "ALLREDUCE":
+                self.allreduce()
+            else:
+                getattr(self, "_do_" + action.kind)(self.chunks[action.stage], action.microbatch)
         except BaseException as exc:
             if not getattr(exc, "_varuna_noted", False):
                 exc.add_note(f"varuna: raised on {self.where} while running action {action}")
@@ -247,61 +320,62 @@ class StageRuntime:
         t1 = time.perf_counter()
         if action.kind in ("F", "B", "R", WEIGHT_KIND):
             self.times.compute_s += t1 - t0
-        self.times.spans.append(Span(action.kind, action.microbatch, t0, t1))
+        stage = action.stage if len(self.chunks) > 1 and action.kind != "ALLREDUCE" else None
+        self.times.spans.append(Span(action.kind, action.microbatch, t0, t1, stage))
 
     # actions -----------------------------------------------------------------------------------
-    def _do_RECV_F(self, m: int) -> None:
-        self.inputs[m] = self.p2p.recv_activation(m)
+    def _do_RECV_F(self, c: _ChunkRun, m: int) -> None:
+        c.inputs[m] = c.up.recv_activation(m)
 
-    def _do_F(self, m: int) -> None:
-        grad = not self.recompute
-        if self.recompute:
-            self.rng[m] = _rng_state(self.p2p.device)
-        result = self._forward(m, self.inputs.get(m), grad=grad)
-        if self.last:
-            self.outputs[m] = result
+    def _do_F(self, c: _ChunkRun, m: int) -> None:
+        grad = not c.recompute
+        if c.recompute:
+            c.rng[m] = _rng_state(self.device)
+        result = self._forward(c, m, c.inputs.get(m), grad=grad)
+        c.outputs[m] = result
+        if c.last:
             self.losses.append(result.detach())
-        else:
-            self.outputs[m] = result
 
-    def _do_SEND_F(self, m: int) -> None:
-        before = self.p2p.bytes_sent
-        self.p2p.send_activation(m, self.outputs[m])
-        self.observer.on_send("SEND_F", m, self.p2p.bytes_sent - before)
-        if self.recompute:
-            del self.outputs[m]
+    def _do_SEND_F(self, c: _ChunkRun, m: int) -> None:
+        before = c.down.bytes_sent
+        c.down.send_activation(m, c.outputs[m])
+        self.observer.on_send("SEND_F", m, c.down.bytes_sent - before)
+        if c.recompute:
+            del c.outputs[m]
 
-    def _do_R(self, m: int) -> None:
-        inputs = self.inputs.get(m)
+    def _do_R(self, c: _ChunkRun, m: int) -> None:
+        inputs = c.inputs.get(m)
         if inputs is not None:
-            inputs = self.inputs[m] = _fresh(inputs)
-        device = self.p2p.device
+            inputs = c.inputs[m] = _fresh(inputs)
+        device = self.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _set_rng_state(device, self.rng.pop(m))
-            self.outputs[m] = self._forward(m, inputs, grad=True)
+            _set_rng_state(device, c.rng.pop(m))
+            c.outputs[m] = self._forward(c, m, inputs, grad=True)
 
-    def _do_RECV_B(self, m: int) -> None:
-        self.grads[m] = self.p2p.recv_grad(m)
+    def _do_RECV_B(self, c: _ChunkRun, m: int) -> None:
+        c.grads[m] = c.down.recv_grad(m)
 
-    def _do_B(self, m: int) -> None:
-        out = self.outputs.pop(m)
-        if self.last:
+    def _do_B(self, c: _ChunkRun, m: int) -> None:
+        out = c.outputs.pop(m)
+        if c.last:
             pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(out * self.loss_coef, None)]
         else:
             tensors, _ = flatten_value(out)
             floating = [t for t in tensors if t.is_floating_point()]
-            grads = self.grads.pop(m)
+            grads = c.grads.pop(m)
             pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
         if not pairs:
             return
-        if m in self._split and self._split_backward(m, pairs):
+        if m in c.split and self._split_backward(c, m, pairs):
             return
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
-    def _split_backward(self, m: int, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
+    def _split_backward(
+        self, c: _ChunkRun, m: int, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> bool:
         """Only the input gradients of `m` now, its weight gradients kept for `_do_W`;
         False (nothing computed) where the graph does not split (see `input_grads_first`)."""
-        inputs = self.inputs.get(m)
+        inputs = c.inputs.get(m)
         if inputs is None:
             return False
         tensors = [t for t in flatten_value(inputs)[0] if t.is_floating_point() and t.requires_grad]
@@ -310,58 +384,60 @@ class StageRuntime:
         split = input_grads_first([t for t, _ in pairs], [g for _, g in pairs], tensors, self._params)
         if split is None:
             return False
-        found, self.weights[m] = split
+        found, c.weights[m] = split
         self.times.split += 1
         for t, g in zip(tensors, found):
             if g is not None:
                 t.grad = g
         return True
 
-    def _do_SEND_B(self, m: int) -> None:
-        before = self.p2p.bytes_sent
-        self.p2p.send_grad(m, self.inputs.pop(m))
-        self.observer.on_send("SEND_B", m, self.p2p.bytes_sent - before)
+    def _do_SEND_B(self, c: _ChunkRun, m: int) -> None:
+        before = c.up.bytes_sent
+        c.up.send_grad(m, c.inputs.pop(m))
+        self.observer.on_send("SEND_B", m, c.up.bytes_sent - before)
 
-    def _do_W(self, m: int) -> None:
-        weights = self.weights.pop(m, None)
+    def _do_W(self, c: _ChunkRun, m: int) -> None:
+        weights = c.weights.pop(m, None)
         if weights is not None:  # None: B(m) could not split and did the whole backward
             weights.run()
 
-    def _do_ALLREDUCE(self, m: int | None) -> None:
-        self.allreduce()
-
     # the user's forward ------------------------------------------------------------------------
-    def _forward(self, m: int, inputs: Any, *, grad: bool) -> Any:
-        cuts = self.cuts
+    def _forward(self, c: _ChunkRun, m: int, inputs: Any, *, grad: bool) -> Any:
+        cuts = c.cuts
         cuts.inputs = inputs
         cuts.output = None
+        cuts.before_start = cuts.start is not None
         done = False
+        stand_ins = self._stand_ins[c.stage]
+        self._current = c
         try:
-            with torch.set_grad_enabled(grad), self.autocast(), _handling(cuts), self._stand_ins:
+            with torch.set_grad_enabled(grad), self.autocast(), _handling(cuts), stand_ins:
                 result = self.model(**self.micro[m])
         except _StageDone:
             done = True
-        if self.last:
+        finally:
+            self._current = None
+        if c.last:
             loss = model_loss(result)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or origin_of(loss) is not None:
-                raise self._bad_result(loss)
+                raise self._bad_result(c, loss)
             return loss
         if not done:
             raise PartitionError(
-                f"stage {self.stage}'s forward returned without calling CutPoint "
+                f"stage {c.stage}'s forward returned without calling CutPoint "
                 f"{cuts.names[cuts.end or 0]!r}, where this stage ends; every CutPoint must be called once "
                 "per forward, whatever the batch"
             )
         origin = origin_of(cuts.output)
         if origin is not None:
-            with self._stand_ins:
+            with stand_ins:
                 raise cross_stage_error(f"the value sent at CutPoint {cuts.names[cuts.end or 0]!r}", origin)
         return cuts.output
 
-    def _bad_result(self, result: Any) -> Exception:
+    def _bad_result(self, c: _ChunkRun, result: Any) -> Exception:
         origin = origin_of(result)
         if origin is not None:
-            with self._stand_ins:
+            with self._stand_ins[c.stage]:
                 return cross_stage_error("the loss", origin)
         shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
         return PartitionError(

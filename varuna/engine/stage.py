@@ -62,18 +62,21 @@ def partition(
     rank: int,
     world_size: int,
     autocast: Callable[[], AbstractContextManager[object]],
+    num_stages: int | None = None,
 ) -> Partition:
-    """The stages `config.engine.partition` asks for: given boundaries, or balanced by measured costs."""
+    """The stages `config.engine.partition` asks for: given boundaries, or balanced by measured costs;
+    `num_stages`: the virtual stages (P x chunks per rank; default P)."""
+    num_stages = config.engine.pipeline if num_stages is None else num_stages
     boundaries = None if isinstance(config.engine.partition, str) else list(config.engine.partition)
     costs = None
-    if boundaries is None and config.engine.partition == "balanced" and config.engine.pipeline > 1:
+    if boundaries is None and config.engine.partition == "balanced" and num_stages > 1:
         assert micro is not None  # pipeline > 1 always traces an example micro-batch
         costs = _segment_costs(
             model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
         )
     return make_partition(
         trace,
-        config.engine.pipeline,
+        num_stages,
         boundaries=boundaries,
         segment_costs=costs,
         shared_weights=config.engine.shared_weights,
@@ -176,13 +179,16 @@ def owned_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def make_groups(
-    config: VarunaConfig, partition: Partition, stage: int
+    config: VarunaConfig, partition: Partition, stage: int, rank_of: Callable[[int], int] | None = None
 ) -> tuple[Any, list[tuple[Any, Any, Any]]]:
     """This stage's data-parallel group (None with D=1) and every tied group (group, pg, ranks).
 
-    Every rank creates every group, in the same order (torch.distributed requires it).
+    `stage` is the rank's position in its pipeline; `rank_of` maps a partition's (virtual) stage to
+    that position (identity with one chunk per rank). Every rank creates every group, in the same
+    order (torch.distributed requires it).
     """
     P, D = config.engine.pipeline, config.engine.data
+    where = rank_of or (lambda s: s)
     dp_group = None
     if D > 1:
         for s in range(P):
@@ -191,26 +197,61 @@ def make_groups(
                 dp_group = group
     tied_groups: list[tuple[Any, Any, Any]] = []
     for g in partition.tied:
-        ranks = [r * P + s for r in range(D) for s in g.stages]
+        positions = list(dict.fromkeys(where(s) for s in g.stages))
+        ranks = [r * P + s for r in range(D) for s in positions]
         pg = dist.new_group(ranks, timeout=group_timeout()) if len(ranks) > 1 else None
         tied_groups.append((g, pg, ranks))
     return dp_group, tied_groups
 
 
 def broadcast_initial_values(
-    named: list[tuple[str, nn.Parameter]], stage: int, dp_group: Any, tied_groups: list[tuple[Any, Any, Any]]
+    named: list[tuple[str, nn.Parameter]],
+    stage: int,
+    dp_group: Any,
+    tied_groups: list[tuple[Any, Any, Any]],
+    rank_of: Callable[[int], int] | None = None,
 ) -> None:
     """Replica 0's values everywhere, and one value for every copy of a tied weight."""
     params = dict(named)
+    where = rank_of or (lambda s: s)
     with torch.no_grad():
         if dp_group is not None:
             for _, p in named:
                 dist.broadcast(p.data, src=stage, group=dp_group)
         for g, pg, _ranks in tied_groups:
-            if stage not in g.stages:
+            if stage not in {where(s) for s in g.stages}:
                 continue
             local = [params[n] for n in g.names if n in params]
             if pg is not None:
-                dist.broadcast(local[0].data, src=g.stages[0], group=pg)
+                dist.broadcast(local[0].data, src=where(g.stages[0]), group=pg)
             for p in local[1:]:
                 p.copy_(local[0])
+
+
+def chunk_links(
+    stages: list[int], num_stages: int, rank_of: Callable[[int], int], rank: int, position: int,
+    device: torch.device,
+) -> list[tuple[Any, Any]]:  # fmt: skip
+    """For each virtual stage this rank holds, its (up, down) links: a `P2P` to the ranks holding the
+    neighbouring stages (one per chunk, on tags of its own), or a `LocalLink` where the neighbour is
+    a chunk of this rank. With one chunk per rank: one P2P, as ever."""
+    from varuna.comm.local import LocalLink
+    from varuna.comm.p2p import P2P
+
+    def global_rank(v: int) -> int:
+        return rank - position + rank_of(v)
+
+    if len(stages) == 1:
+        v = stages[0]
+        p2p = P2P(
+            global_rank(v - 1) if v > 0 else None, global_rank(v + 1) if v < num_stages - 1 else None, device
+        )
+        return [(p2p, p2p)]
+    local = {v: LocalLink(v) for v in stages if v > 0 and v - 1 in stages}  # by receiving stage
+    out = []
+    for v in stages:
+        prev = None if v == 0 or v in local else global_rank(v - 1)
+        nxt = None if v == num_stages - 1 or v + 1 in local else global_rank(v + 1)
+        link: Any = P2P(prev, nxt, device, tags=(v, v + 1)) if prev is not None or nxt is not None else None
+        out.append((local.get(v, link), local.get(v + 1, link)))
+    return out

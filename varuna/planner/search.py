@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from varuna.cut.partition import balance
 from varuna.errors import PlanError
+from varuna.planner.chunked import chunked_misfit, price_chunked
 from varuna.planner.costs import CostTable
 from varuna.planner.memory import _memory, format_bytes, parse_memory
 from varuna.planner.simulator import Sharing, StageCost, Timeline, simulate
@@ -290,6 +291,19 @@ def plan(
                 continue
             seen: set[tuple[Any, ...]] = set()
             for schedule in schedules:
+                misfit = (
+                    chunked_misfit(table, schedule, pipeline, global_batch_size // (data * mbs))
+                    if schedule_spec(schedule).chunks_per_rank > 1
+                    else None
+                )
+                if misfit is not None:
+                    rejected.append(
+                        Rejected(
+                            pipeline=pipeline, data=data, micro_batch_size=mbs, schedule=schedule,
+                            kind="stages", reason=misfit,
+                        )
+                    )  # fmt: skip
+                    continue
                 for recompute in dict.fromkeys(bool(r) and pipeline > 1 for r in recompute_options):
                     same = _runs_as(schedule, pipeline, global_batch_size // (data * mbs), recompute)
                     if same in seen:
@@ -417,6 +431,24 @@ def _evaluate(
 ) -> Candidate:
     segs = table.segments
     num_microbatches = global_batch_size // (data * mbs)
+    if schedule_spec(schedule).chunks_per_rank > 1:  # P x V virtual stages (varuna.planner.chunked)
+        priced = price_chunked(
+            table, pipeline, data, mbs, schedule, recompute, global_batch_size, boundaries, split_backward
+        )
+        return Candidate(
+            pipeline=pipeline,
+            data=data,
+            micro_batch_size=mbs,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            boundaries=priced.boundaries,
+            predicted_step_s=priced.timeline.step_s,
+            samples_per_s=global_batch_size / priced.timeline.step_s,
+            bubble_fraction=priced.timeline.bubble_fraction,
+            memory_per_stage_bytes=priced.memory_per_rank,
+            timeline=priced.timeline,
+        )
     if boundaries is None:
         boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
     stages = _stage_ranges(boundaries, len(segs))

@@ -131,7 +131,8 @@ def _messages_busy(spans: list[list[Span]], busy: _Computing, sharing: Sharing) 
     for s, stage in enumerate(spans):
         for sp in stage:
             if sp.kind in ("SEND_F", "SEND_B"):
-                work = sharing.message_cpu_s[s if sp.kind == "SEND_F" else s - 1]
+                v = s if sp.stage is None else sp.stage
+                work = sharing.message_cpu_s[v if sp.kind == "SEND_F" else v - 1]
                 computing = busy.count(sp.start)
                 out.append((sp.start, sp.start + work * sharing.factor(sharing.replicas * (computing + 1))))
     return out
@@ -158,7 +159,8 @@ def _stretch_all(
         for sp in stage:
             if sp.kind in WORK_KINDS:
                 m = sp.microbatch or 0
-                out[(s, sp.kind, m)] = _finish(sp.start, work(s, sp.kind, m), edges, sharing)
+                v = s if sp.stage is None else sp.stage  # the virtual stage, with several chunks
+                out[(v, sp.kind, m)] = _finish(sp.start, work(v, sp.kind, m), edges, sharing)
     return out
 
 

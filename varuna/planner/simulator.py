@@ -50,6 +50,7 @@ from varuna.schedule import (
     ScheduleName,
     Span,
     build_schedule,
+    last_stage,
     releasing,
     schedule_spec,
 )
@@ -223,13 +224,17 @@ def simulate_lowered(
     name: str = "custom",
     num_microbatches: int | None = None,
 ) -> Timeline:
-    """Time any lowered schedule (as `varuna.schedule.lower` makes); see `simulate`."""
+    """Time any lowered schedule (as `varuna.schedule.lower` makes); see `simulate`. With several
+    chunks per rank, `stage_costs` and `comm` are per virtual stage and boundary (a boundary between
+    two chunks of one rank costs what the caller says: nothing is moved there), the all-reduce and
+    update per rank."""
     num_stages = len(schedule)
-    if len(stage_costs) != num_stages:
+    virtual = last_stage(schedule) + 1
+    if len(stage_costs) != virtual:
         raise ScheduleError(
-            f"stage_costs has {len(stage_costs)} entries but the schedule has {num_stages} stages"
+            f"stage_costs has {len(stage_costs)} entries but the schedule has {virtual} stages"
         )
-    comm_s = _per_stage(comm, num_stages - 1, "comm seconds per boundary")
+    comm_s = _per_stage(comm, virtual - 1, "comm seconds per boundary")
     reduce_s = _per_stage(allreduce_s, num_stages, "allreduce_s per stage")
     updates = _per_stage(update_s, num_stages, "update_s per stage")
     messages = dict(message_s or {})
@@ -242,10 +247,10 @@ def simulate_lowered(
     if (
         sharing is not None
         and sharing.message_cpu_s
-        and (len(sharing.message_cpu_s) != num_stages - 1 or any(not w >= 0 for w in sharing.message_cpu_s))
+        and (len(sharing.message_cpu_s) != virtual - 1 or any(not w >= 0 for w in sharing.message_cpu_s))
     ):
         raise ScheduleError(
-            f"Sharing.message_cpu_s = {list(sharing.message_cpu_s)}: give {num_stages - 1} seconds >= 0, "
+            f"Sharing.message_cpu_s = {list(sharing.message_cpu_s)}: give {virtual - 1} seconds >= 0, "
             "one per stage boundary, or () for none"
         )
     shared = sharing is not None and sharing.matters(num_stages)
@@ -310,7 +315,7 @@ def _peak_inflight(spans: list[Span]) -> int:
     frees = releasing(spans)
     held = peak = 0
     for sp in spans:
-        held += (sp.kind == "F") - ((sp.kind, sp.microbatch) in frees)
+        held += (sp.kind == "F") - ((sp.kind, sp.microbatch, sp.stage) in frees)
         peak = max(peak, held)
     return peak
 
@@ -352,12 +357,17 @@ class _Simulation:
         self.link_free: dict[tuple[str, int], float] = {}
         self.committed: set[int] = set()  # stages decided to wait in their head RECV_B
         self.split = {
-            (s, a.microbatch) for s, actions in schedule.items() for a in actions if a.kind == WEIGHT_KIND
+            (a.stage, a.microbatch) for actions in schedule.values() for a in actions if a.kind == WEIGHT_KIND
         }
+        self.rank = {
+            a.stage: s for s, actions in schedule.items() for a in actions if a.microbatch is not None
+        }
+        self.chunked = any(v != s for v, s in self.rank.items())
+        """Several chunks per rank: spans name their virtual stage."""
 
-    def work(self, s: int, kind: str, m: int) -> float:
-        """Lone-compute seconds of stage s's action `kind` on micro-batch m."""
-        return self.costs[s].seconds(kind, split=kind == "B" and (s, m) in self.split)
+    def work(self, v: int, kind: str, m: int) -> float:
+        """Lone-compute seconds of (virtual) stage v's action `kind` on micro-batch m."""
+        return self.costs[v].seconds(kind, split=kind == "B" and (v, m) in self.split)
 
     def run(self) -> None:
         while True:
@@ -387,7 +397,7 @@ class _Simulation:
         if key in self.arrival:
             return "yes" if self.arrival[key] <= t else "no"
         sender, boundary = (s - 1, s - 1) if kind == "F" else (s + 1, s)
-        return "no" if self.clock[sender] + self.comm[boundary] > t else "unknown"
+        return "no" if self.clock[self.rank[sender]] + self.comm[boundary] > t else "unknown"
 
     def _next_forward(self, s: int, t: float) -> tuple[str, list[Action]]:
         """The runtime's `_forward_ready`: the next forward group and whether its input is here."""
@@ -399,7 +409,7 @@ class _Simulation:
                     group.insert(0, queue[i - 1])
                 if i + 1 < len(queue) and queue[i + 1].kind == "SEND_F":
                     group.append(queue[i + 1])
-                ready = "yes" if s == 0 else self._state("F", s, a.microbatch or 0, t)
+                ready = "yes" if a.stage == 0 else self._state("F", a.stage, a.microbatch or 0, t)
                 return ready, group
         return "no", []
 
@@ -407,7 +417,7 @@ class _Simulation:
         """Run stage s's next action (or pulled-ahead group): "done", "blocked" or "undecided"."""
         head, t = self.queues[s][0], self.clock[s]
         if self.opportunistic and head.kind == "RECV_B" and s not in self.committed:
-            grad = self._state("B", s, head.microbatch or 0, t) if self.sees_arrivals else "no"
+            grad = self._state("B", head.stage, head.microbatch or 0, t) if self.sees_arrivals else "no"
             if grad != "yes":
                 ahead, group = self._next_forward(s, t)
                 if not self.sees_arrivals and s > 0:
@@ -422,7 +432,10 @@ class _Simulation:
                         self._execute(s, a)
                     return "done"
                 self.committed.add(s)
-        if head.kind in ("RECV_F", "RECV_B") and (head.kind[-1], s, head.microbatch or 0) not in self.arrival:
+        if (
+            head.kind in ("RECV_F", "RECV_B")
+            and (head.kind[-1], head.stage, head.microbatch or 0) not in self.arrival
+        ):
             return "blocked"
         self.committed.discard(s)
         self._execute(s, self.queues[s].pop(0))
@@ -431,17 +444,18 @@ class _Simulation:
     def _execute(self, s: int, a: Action) -> None:
         t = self.clock[s]
         m = a.microbatch or 0
+        v = a.stage  # the virtual stage (s, the rank, with one chunk per rank)
         end = t
         if a.kind in WORK_KINDS:
-            end = t + self.durations.get((s, a.kind, m), self.work(s, a.kind, m))
+            end = t + self.durations.get((v, a.kind, m), self.work(v, a.kind, m))
         elif a.kind == "ALLREDUCE":
             end = t + self.allreduce[s]
         elif a.kind in ("RECV_F", "RECV_B"):
-            end = max(t, self.arrival[(a.kind[-1], s, m)]) + self.messages.get(a.kind, 0.0)
+            end = max(t, self.arrival[(a.kind[-1], v, m)]) + self.messages.get(a.kind, 0.0)
         else:  # SEND_F / SEND_B: queue on the link, arrive after the transfer
             cost = self.delay.send(a.kind, s, t) if self.delay is not None else None
             end = t + (self.messages.get(a.kind, 0.0) if cost is None else cost)
-            to, boundary = (s + 1, s) if a.kind == "SEND_F" else (s - 1, s - 1)
+            to, boundary = (v + 1, v) if a.kind == "SEND_F" else (v - 1, v - 1)
             link = (a.kind, boundary)
             start = max(end, self.link_free.get(link, 0.0))
             self.link_free[link] = start + self.comm[boundary]
@@ -450,5 +464,6 @@ class _Simulation:
             else:
                 extra = self.messages.get("DELAY" + a.kind[-2:], 0.0)
             self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + extra
-        self.spans[s].append(Span(a.kind, a.microbatch, t, end))
+        stage = v if self.chunked and a.kind != "ALLREDUCE" else None
+        self.spans[s].append(Span(a.kind, a.microbatch, t, end, stage))
         self.clock[s] = end

@@ -31,12 +31,14 @@ _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+)(\d*)$")
 
 
 class Span(NamedTuple):
-    """One executed (runtime) or simulated (planner) action: kind, micro-batch, start and end seconds."""
+    """One executed (runtime) or simulated (planner) action: kind, micro-batch, start and end
+    seconds, and the virtual stage it ran for where a rank holds several chunks (else None)."""
 
     kind: str
     microbatch: int | None
     start: float
     end: float
+    stage: int | None = None
 
 
 class Action(NamedTuple):

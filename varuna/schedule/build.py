@@ -25,7 +25,7 @@ def build_schedule(
     lowered = lower(make_schedule(name, num_stages, num_microbatches, recompute=recompute))  # type: ignore[arg-type]
     if split_backward and spec.split_backward:
         lowered = split_backwards(lowered)
-    validate(lowered, num_stages, num_microbatches)
+    validate(lowered, num_stages, num_microbatches, chunks=spec.chunks_per_rank, placement=spec.placement)
     return lowered
 
 
@@ -45,4 +45,5 @@ def make_schedule(
     schedule: Schedule = {s: spec.order(s, num_stages, num_microbatches) for s in range(num_stages)}
     if recompute is None:
         recompute = spec.recompute
-    return add_recompute(schedule, range(num_stages - 1)) if recompute else schedule
+    last = num_stages * spec.chunks_per_rank - 1
+    return add_recompute(schedule, range(last)) if recompute else schedule

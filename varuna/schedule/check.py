@@ -13,6 +13,7 @@ from varuna.schedule.actions import (
     check_sizes,
     format_grid,
 )
+from varuna.schedule.chunked import Placement, rank_of
 from varuna.schedule.passes import add_communication, compute_actions
 
 __all__ = ["validate"]
@@ -22,47 +23,72 @@ def _fail(schedule: Schedule, mark: tuple[int, int] | None, message: str) -> Sch
     return ScheduleError(f"{message}\n{format_grid(schedule, mark)}")
 
 
-def validate(schedule: Schedule, num_stages: int, num_microbatches: int) -> None:
+def validate(
+    schedule: Schedule,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    chunks: int = 1,
+    placement: Placement = "loop",
+) -> None:
     """Raise ScheduleError, with the grid and the failing cell marked, unless `schedule` is sound.
 
-    Accepts compute-only and lowered schedules. Checks stage numbering, one F and one B per
-    micro-batch, ascending F and B orders, F(m) < R(m) < B(m), communication exactly where
-    `add_communication` puts it, and that executing the lists cannot deadlock.
+    `num_stages` is the number of ranks (the lists' keys); with `chunks` per rank each action names
+    one of the P x chunks virtual stages, held by the rank `placement` says. Accepts compute-only and
+    lowered schedules. Checks stage numbering, one F and one B per micro-batch and virtual stage,
+    ascending F and B orders, F(m) < R(m) < B(m), communication exactly where `add_communication`
+    puts it, and that executing the lists cannot deadlock.
     """
     check_sizes(num_stages, num_microbatches)
     if sorted(schedule) != list(range(num_stages)):
         raise _fail(schedule, None, f"expected stages 0..{num_stages - 1} as keys, got {sorted(schedule)}")
     lowered = any(a.kind in COMM_KINDS for actions in schedule.values() for a in actions)
+    virtual = num_stages * chunks
     for s, actions in schedule.items():
-        _check_stage(schedule, s, actions, num_microbatches)
+        mine = [v for v in range(virtual) if rank_of(v, num_stages, chunks, placement) == s]
+        _check_stage(schedule, s, actions, num_microbatches, mine, virtual, lowered)
     if lowered:
         _check_communication(schedule)
-    _check_deadlock(schedule, num_stages)
+    _check_deadlock(schedule, virtual)
 
 
-def _check_stage(schedule: Schedule, s: int, actions: list[Action], num_microbatches: int) -> None:
-    seen: dict[str, list[tuple[int, int]]] = {kind: [] for kind in COMPUTE_KINDS}  # kind -> (mb, step)
+def _check_stage(
+    schedule: Schedule,
+    s: int,
+    actions: list[Action],
+    num_microbatches: int,
+    mine: list[int],
+    virtual: int,
+    lowered: bool,
+) -> None:
+    # virtual stage -> kind -> (mb, index in the rank's list)
+    seen: dict[int, dict[str, list[tuple[int, int]]]] = {v: {k: [] for k in COMPUTE_KINDS} for v in mine}
     for i, a in enumerate(actions):
-        if a.stage != s:
-            raise _fail(schedule, (s, i), f"action {a} sits in stage {s}'s list but names stage {a.stage}")
-        if a.kind not in KINDS:
-            raise _fail(
-                schedule, (s, i), f"unknown action kind {a.kind!r} at stage {s}; valid: {', '.join(KINDS)}"
-            )
         if a.kind == "ALLREDUCE":
-            if a.microbatch is not None or i != len(actions) - 1:
+            if a.microbatch is not None or i != len(actions) - 1 or a.stage != s:
                 raise _fail(
                     schedule, (s, i), f"{a} must be the last action of stage {s}, once, with no micro-batch"
                 )
             continue
+        if a.stage not in seen:
+            held = "stage" if len(mine) == 1 else "virtual stages"
+            raise _fail(
+                schedule,
+                (s, i),
+                f"action {a} sits in stage {s}'s list but names stage {a.stage} ({s} holds {held} "
+                f"{', '.join(map(str, mine))} of {virtual})",
+            )
+        if a.kind not in KINDS:
+            raise _fail(
+                schedule, (s, i), f"unknown action kind {a.kind!r} at stage {s}; valid: {', '.join(KINDS)}"
+            )
         if a.microbatch is None or not 0 <= a.microbatch < num_microbatches:
             raise _fail(
                 schedule, (s, i), f"{a} has micro-batch {a.microbatch}, expected 0..{num_microbatches - 1}"
             )
         if a.kind == WEIGHT_KIND:  # after its input half: its SEND_B once lowered, its B before
-            lowered = any(b.kind in COMM_KINDS for b in actions)
-            sent = Action(s, "SEND_B" if lowered else "B", a.microbatch)
-            if s == 0 or sent not in actions[:i] or a in actions[:i]:
+            sent = Action(a.stage, "SEND_B" if lowered else "B", a.microbatch)
+            if a.stage == 0 or sent not in actions[:i] or a in actions[:i]:
                 raise _fail(
                     schedule,
                     (s, i),
@@ -70,22 +96,35 @@ def _check_stage(schedule: Schedule, s: int, actions: list[Action], num_microbat
                     "(see split_backwards)",
                 )
             continue
-        if a.kind in seen:
-            first = next((j for m, j in seen[a.kind] if m == a.microbatch), None)
+        mine_seen = seen[a.stage]
+        if a.kind in mine_seen:
+            first = next((j for m, j in mine_seen[a.kind] if m == a.microbatch), None)
             if first is not None:
                 raise _fail(schedule, (s, i), f"{a} appears twice on stage {s} (first at step {first})")
-            seen[a.kind].append((a.microbatch, i))
+            mine_seen[a.kind].append((a.microbatch, i))
+    for v, by_kind in seen.items():
+        _check_orders(schedule, s, v, actions, by_kind, num_microbatches)
+
+
+def _check_orders(
+    schedule: Schedule,
+    s: int,
+    v: int,
+    actions: list[Action],
+    seen: dict[str, list[tuple[int, int]]],
+    num_microbatches: int,
+) -> None:
     for kind in ("F", "B"):
         present = {m for m, _ in seen[kind]}
         for m in range(num_microbatches):
             if m not in present:
-                raise _fail(schedule, (s, len(actions)), f"stage {s} is missing {Action(s, kind, m)}")
+                raise _fail(schedule, (s, len(actions)), f"stage {s} is missing {Action(v, kind, m)}")
         for (prev, _), (m, i) in zip(seen[kind], seen[kind][1:], strict=False):
             if m < prev:
                 raise _fail(
                     schedule,
                     (s, i),
-                    f"stage {s} runs {actions[i]} after {Action(s, kind, prev)}: {kind} must run in ascending "
+                    f"stage {s} runs {actions[i]} after {Action(v, kind, prev)}: {kind} must run in ascending "
                     "micro-batch order, because the runtime matches messages first in, first out",
                 )
     step = {(kind, m): i for kind, pairs in seen.items() for m, i in pairs}
@@ -122,6 +161,7 @@ def _check_communication(schedule: Schedule) -> None:
 
 
 def _check_deadlock(schedule: Schedule, num_stages: int) -> None:
+    """`num_stages`: the virtual stages (P x chunks)."""
     # Comm actions are instantaneous here: only the cross-stage data dependencies can block.
     done: set[Action] = set()
     pos = dict.fromkeys(schedule, 0)

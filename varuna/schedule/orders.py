@@ -8,10 +8,19 @@ from typing import Literal
 
 from varuna.errors import ScheduleError
 from varuna.schedule.actions import WEIGHT_KIND, Action, check_sizes
+from varuna.schedule.chunked import (
+    Placement,
+    interleaved_bubble,
+    interleaved_order,
+    rank_of,
+    stages_of,
+    zb_v_bubble,
+    zb_v_order,
+)
 
 __all__ = ["ScheduleSpec", "SCHEDULES", "ScheduleName", "schedule_spec", "bubble_fraction"]
 
-ScheduleName = Literal["gpipe", "1f1b", "varuna", "zb-h1"]
+ScheduleName = Literal["gpipe", "1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v"]
 
 
 def _gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -71,8 +80,8 @@ class ScheduleSpec:
     and its order function."""
 
     order: Callable[[int, int, int], list[Action]]
-    """(stage, P, M) -> that stage's forwards and backwards in order (and weight halves W, where the
-    schedule places them itself)."""
+    """(rank, P, M) -> that rank's forwards and backwards in order (and weight halves W, where the
+    schedule places them itself); each action names its virtual stage (the rank, with one chunk)."""
     recompute: bool = False
     """Non-last stages recompute each micro-batch just before its backward (`recompute=None`)."""
     pull_ahead: bool = False
@@ -85,9 +94,21 @@ class ScheduleSpec:
     """(P, M) -> the idle share of a step in theory: uniform stages, no communication, F = B = W
     (a B is then 2 units, or B and W one each where split)."""
     chunks_per_rank: int = 1
-    """Model chunks a rank holds (virtual stages); 1 for every schedule so far."""
+    """Model chunks a rank holds (virtual stages): the model is cut into P x chunks_per_rank stages."""
+    placement: Placement = "loop"
+    """Which rank holds which virtual stage (`varuna.schedule.chunked`)."""
+    rounds: bool = False
+    """Micro-batches go through the ranks in rounds of P: M must be a multiple of P."""
     about: str = ""
     """One line for people."""
+
+    def rank_of(self, stage: int, num_ranks: int) -> int:
+        """The rank holding virtual stage `stage` in a pipeline of `num_ranks` ranks."""
+        return rank_of(stage, num_ranks, self.chunks_per_rank, self.placement)
+
+    def stages_of(self, rank: int, num_ranks: int) -> list[int]:
+        """The virtual stages `rank` holds, in data-flow order."""
+        return stages_of(rank, num_ranks, self.chunks_per_rank, self.placement)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -106,6 +127,21 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         split_backward=False,
         bubble=_bubble_zb_h1,
         about="ZB-H1: every backward split into B and W, the W filling the drain; 1F1B's peak memory",
+    ),
+    "interleaved-1f1b": ScheduleSpec(
+        order=interleaved_order,
+        bubble=interleaved_bubble,
+        chunks_per_rank=2,
+        rounds=True,
+        about="interleaved 1F1B: two chunks per rank round-robin, a V-th of 1F1B's bubble; M a multiple of P",
+    ),
+    "zb-v": ScheduleSpec(
+        order=zb_v_order,
+        split_backward=False,
+        bubble=zb_v_bubble,
+        chunks_per_rank=2,
+        placement="v",
+        about="ZB-V: two chunks per rank in a V, backwards split into B and W; 1F1B's peak memory",
     ),
 }
 """Every schedule by name."""

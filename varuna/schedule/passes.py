@@ -23,6 +23,7 @@ __all__ = [
     "releasing",
     "lower",
     "compute_actions",
+    "last_stage",
 ]
 
 
@@ -35,29 +36,41 @@ def _stage_count(schedule: Schedule, what: str) -> int:
 
 
 def add_recompute(schedule: Schedule, stages: Iterable[int]) -> Schedule:
-    """Insert R(m) just before each B(m) (before its RECV_B in lowered form) on `stages`; a new Schedule."""
+    """Insert R(m) just before each B(m) (before its RECV_B in lowered form) of the given (virtual)
+    `stages`; a new Schedule."""
     chosen = set(stages)
-    unknown = sorted(chosen - set(schedule))
+    present = {a.stage for actions in schedule.values() for a in actions if a.microbatch is not None}
+    unknown = sorted(chosen - present)
     if unknown:
         raise ScheduleError(
-            f"add_recompute: stages {unknown} are not in the schedule (it has {sorted(schedule)})"
+            f"add_recompute: stages {unknown} are not in the schedule (it has {sorted(present)})"
         )
     result: Schedule = {}
     for s, actions in schedule.items():
-        done = {a.microbatch for a in actions if a.kind == "R"}
+        done = {(a.stage, a.microbatch) for a in actions if a.kind == "R"}
         out: list[Action] = []
         for a in actions:
-            if s in chosen and a.kind == "B" and a.microbatch not in done:
-                at = len(out) - 1 if out and out[-1] == Action(s, "RECV_B", a.microbatch) else len(out)
-                out.insert(at, Action(s, "R", a.microbatch))
+            if a.stage in chosen and a.kind == "B" and (a.stage, a.microbatch) not in done:
+                recv = Action(a.stage, "RECV_B", a.microbatch)
+                at = len(out) - 1 if out and out[-1] == recv else len(out)
+                out.insert(at, Action(a.stage, "R", a.microbatch))
             out.append(a)
         result[s] = out
     return result
 
 
+def last_stage(schedule: Schedule) -> int:
+    """The last virtual stage a schedule names (P-1 with one chunk per rank)."""
+    return max(
+        (a.stage for actions in schedule.values() for a in actions if a.microbatch is not None), default=0
+    )
+
+
 def add_communication(schedule: Schedule) -> Schedule:
-    """Lower a compute-only schedule: RECV_F/SEND_F around each F and RECV_B/SEND_B around each B."""
-    last = _stage_count(schedule, "add_communication") - 1
+    """Lower a compute-only schedule: RECV_F/SEND_F around each F and RECV_B/SEND_B around each B
+    (by virtual stage: the first receives no activation, the last sends none)."""
+    _stage_count(schedule, "add_communication")
+    last = last_stage(schedule)
     result: Schedule = {}
     for s, actions in schedule.items():
         out: list[Action] = []
@@ -67,15 +80,16 @@ def add_communication(schedule: Schedule) -> Schedule:
                     f"add_communication expects a compute-only schedule, but stage {s} already has {a}; "
                     f"lower a schedule once (pass it through compute_actions first to re-lower)"
                 )
-            if a.kind == "F" and s > 0:
-                out.append(Action(s, "RECV_F", a.microbatch))
-            if a.kind == "B" and s < last:
-                out.append(Action(s, "RECV_B", a.microbatch))
+            v = a.stage
+            if a.kind == "F" and v > 0:
+                out.append(Action(v, "RECV_F", a.microbatch))
+            if a.kind == "B" and v < last:
+                out.append(Action(v, "RECV_B", a.microbatch))
             out.append(a)
-            if a.kind == "F" and s < last:
-                out.append(Action(s, "SEND_F", a.microbatch))
-            if a.kind == "B" and s > 0:
-                out.append(Action(s, "SEND_B", a.microbatch))
+            if a.kind == "F" and v < last:
+                out.append(Action(v, "SEND_F", a.microbatch))
+            if a.kind == "B" and v > 0:
+                out.append(Action(v, "SEND_B", a.microbatch))
         result[s] = out
     return result
 
@@ -106,25 +120,33 @@ def split_backwards(schedule: Schedule) -> Schedule:
     for s, actions in schedule.items():
         if any(a.kind == WEIGHT_KIND for a in actions):
             raise ScheduleError(f"split_backwards: stage {s} already has W actions; split a schedule once")
-        backwards = [a.microbatch for a in actions if a.kind == "B"]
-        if s > 0 and backwards and not any(a.kind == "SEND_B" for a in actions):
+        backwards: dict[int, list[int | None]] = {}
+        for a in actions:
+            if a.kind == "B" and a.stage > 0:
+                backwards.setdefault(a.stage, []).append(a.microbatch)
+        if backwards and not any(a.kind == "SEND_B" for a in actions):
             raise ScheduleError("split_backwards expects a lowered schedule (pass it through lower first)")
-        ends = {backwards[0], backwards[-1]} if s > 0 and backwards else set()
+        ends = {(v, m) for v, mbs in backwards.items() for m in (mbs[0], mbs[-1])}
         out: list[Action] = []
         for a in actions:
             out.append(a)
-            if a.kind == "SEND_B" and a.microbatch in ends:
-                out.append(Action(s, WEIGHT_KIND, a.microbatch))
+            if a.kind == "SEND_B" and (a.stage, a.microbatch) in ends:
+                out.append(Action(a.stage, WEIGHT_KIND, a.microbatch))
         result[s] = out
     return result
 
 
-def releasing(spans: Iterable[Span]) -> set[tuple[str, int | None]]:
-    """(kind, micro-batch) of the spans of one stage after which a micro-batch's saved activations
-    are gone: its B, or its W where `split_backwards` split that backward."""
+def releasing(spans: Iterable[Span]) -> set[tuple[str, int | None, int | None]]:
+    """(kind, micro-batch, virtual stage) of the spans of one rank after which a micro-batch's saved
+    activations are gone: its B, or its W where that backward was split. The stage is the span's
+    (None with one chunk per rank)."""
     spans = list(spans)
-    split = {sp.microbatch for sp in spans if sp.kind == WEIGHT_KIND}
-    return {(WEIGHT_KIND if sp.microbatch in split else "B", sp.microbatch) for sp in spans if sp.kind == "B"}
+    split = {(sp.microbatch, sp.stage) for sp in spans if sp.kind == WEIGHT_KIND}
+    return {
+        (WEIGHT_KIND if (sp.microbatch, sp.stage) in split else "B", sp.microbatch, sp.stage)
+        for sp in spans
+        if sp.kind == "B"
+    }
 
 
 def lower(schedule: Schedule) -> Schedule:

@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from varuna.errors import ConfigError
-from varuna.schedule import releasing
 from varuna.telemetry import heartbeat as _heartbeat
+from varuna.telemetry.activations import activation_peak
 from varuna.telemetry.events import COMMAND_FIELDS, MAX_MESSAGE_BYTES, EventLog, Receiver, Sender, encode
 from varuna.telemetry.settings import SETTINGS, check_settings
 
@@ -410,10 +410,14 @@ class Telemetry:
                 "start": s.start + off,
                 "end": s.end + off,
             }
+            if s.stage is not None:  # several chunks per rank: the virtual stage it ran for
+                span["vstage"] = s.stage
             if kind in ("send", "recv"):
                 direction = s.kind[-1]
                 span["dir"] = direction
                 span["peer"] = nxt if (direction == "F") == (kind == "send") else prev
+                if s.stage is not None:
+                    span["peer"] = engine.rank_of_stage(s.stage + (1 if span["peer"] == nxt else -1))
                 if kind == "send":
                     span["bytes"] = self._send_bytes.get((s.kind, s.microbatch or 0))
             elif kind == "allreduce":
@@ -437,24 +441,8 @@ class Telemetry:
         return out
 
     def _activation_peak(self, times: Any) -> int:
-        """Peak bytes saved for backward during the step: F/R of micro-batch m adds what autograd
-        packed during that span, B of m frees it (W of m, where its backward was split)."""
-        packs, i, held, peak = self._packs, 0, 0, 0
-        live: dict[int, int] = {}
-        frees = releasing(times.spans)
-        for s in times.spans:
-            if s.kind in ("F", "R"):
-                size = 0
-                while i < len(packs) and packs[i][0] <= s.end:
-                    if packs[i][0] >= s.start:
-                        size += packs[i][1]
-                    i += 1
-                live[s.microbatch or 0] = live.get(s.microbatch or 0, 0) + size
-                held += size
-                peak = max(peak, held)
-            elif (s.kind, s.microbatch) in frees:
-                held -= live.pop(s.microbatch or 0, 0)
-        return peak
+        """Peak bytes saved for backward during the step (`activation_peak`)."""
+        return activation_peak(self._packs, times.spans)
 
     def memory(self) -> dict[str, Any]:
         """This stage's memory: parameters, gradients, optimizer state, activations, peak."""

@@ -1,0 +1,64 @@
+"""Several model chunks on one rank (interleaved and V schedules): each chunk's forward runs only
+its own modules.
+
+With one chunk per rank, the modules of other stages hold meta parameters and return stand-ins
+(`varuna.engine.stage.strip`); the forward ends at the chunk's last CutPoint. With two chunks the
+modules of the rank's *other* chunk are real, and a forward of the later chunk would run the
+earlier chunk's modules again on the way to its input CutPoint. `guard_chunks` gives every module
+that holds only real parameters a forward that returns stand-ins (as `SkippedForward` does) while
+the running forward has not reached its chunk's input CutPoint, and runs the module otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from varuna.cut.cutpoint import CONTAINERS, CutPoint
+from varuna.cut.standin import SkippedForward
+
+__all__ = ["guard_chunks", "ChunkGuard"]
+
+
+class ChunkGuard:
+    """A module's forward that is skipped (stand-ins) while `before_start()` says so."""
+
+    def __init__(
+        self, module: nn.Module, name: str, device: torch.device, traced: dict[Any, Any] | None,
+        before_start: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        self.run: Callable[..., Any] = module.forward
+        self.skip = SkippedForward(module, name, device, traced)
+        self.before_start = before_start
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.before_start():
+            return self.skip(*args, **kwargs)
+        return self.run(*args, **kwargs)
+
+
+def guard_chunks(
+    model: nn.Module, device: torch.device, traced: Mapping[str, Any], before_start: Callable[[], bool]
+) -> int:
+    """Guard the outermost modules whose parameters are all real and that contain no CutPoint
+    (a module holding a CutPoint is entered: its children are guarded instead); returns how many."""
+    guarded = 0
+
+    def visit(name: str, module: nn.Module) -> None:
+        nonlocal guarded
+        params = list(module.parameters())
+        if not params or all(p.is_meta for p in params) or isinstance(module, CutPoint):
+            return  # glue runs everywhere; a stripped module already returns stand-ins
+        whole = not isinstance(module, CONTAINERS) and not any(p.is_meta for p in params)
+        if whole and not any(isinstance(sub, CutPoint) for sub in module.modules()):
+            module.forward = ChunkGuard(module, name, device, traced.get(name), before_start)  # type: ignore[method-assign]
+            guarded += 1
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", model)
+    return guarded
