@@ -115,3 +115,49 @@ def plan_times(table: CostTable, gpus: tuple[int, ...] = SCALE_GPUS, **kw: Any) 
             }
         )
     return rows
+
+
+def scale_report(*, quick: bool = False) -> dict[str, Any]:
+    """`python -m varuna.bench planner --scale`: `plan_times` of the paper GPT for 8..1024 GPUs on
+    hosts of 8 (100 Gbit/s between hosts), 80 GiB each, global batch 1024, with what limits each
+    plan; `quick`: 8..64 GPUs. The table is under "table"."""
+    from varuna.planner.cluster import Cluster
+    from varuna.planner.limits import explain
+    from varuna.planner.search import plan
+
+    table = paper_table()
+    cluster = Cluster(gpus_per_host=8)
+    rows = []
+    for n in SCALE_GPUS[:4] if quick else SCALE_GPUS:
+        start = time.perf_counter()
+        result = plan(table, gpus=n, memory_bytes="80GiB", global_batch_size=1024, cluster=cluster)
+        took = time.perf_counter() - start
+        best, limits = result.best, explain(result)
+        rows.append({
+            "gpus": n, "pipeline": best.pipeline, "data": best.data, "micro_batch_size": best.micro_batch_size,
+            "num_microbatches": best.num_microbatches, "schedule": best.schedule, "recompute": best.recompute,
+            "predicted_step_s": best.predicted_step_s, "samples_per_s": best.samples_per_s,
+            "max_memory_bytes": best.max_memory_bytes, "shares": limits["shares"],
+            "limited_by": limits["limited_by"], "fewer_stages": (limits["fewer_stages"] or {}).get("why"),
+            "plan_s": took, "candidates": len(result.ranked), "rejected": len(result.rejected),
+        })  # fmt: skip
+    lines = [
+        f"{'GPUs':>5} {'P x D x mbs (M)':>20} {'schedule':>14} {'step s':>8} {'samples/s':>9} "
+        f"{'bubble':>6} {'imbal':>6} {'allred':>6} {'plan s':>7}  limited by"
+    ]
+    for r in rows:
+        shape = f"{r['pipeline']} x {r['data']} x {r['micro_batch_size']} ({r['num_microbatches']})"
+        sched = r["schedule"] + (" +R" if r["recompute"] else "")
+        lines.append(
+            f"{r['gpus']:>5} {shape:>20} {sched:>14} {r['predicted_step_s']:>8.3f} {r['samples_per_s']:>9.1f} "
+            f"{100 * r['shares']['bubble']:>5.0f}% {100 * r['shares']['imbalance']:>5.0f}% "
+            f"{100 * r['shares']['allreduce']:>5.0f}% {r['plan_s']:>7.2f}  " + ", ".join(r["limited_by"])
+        )
+    return {
+        "model": f"{table.model_signature}: {sum(s.param_bytes for s in table.segments) / 4e9:.1f}B parameters",
+        "hosts": "8 GPUs per host, 100 Gbit/s and 20 us between hosts; NVLink-class within (150 GB/s, 5 us)",
+        "memory": "80 GiB per GPU",
+        "global_batch_size": 1024,
+        "rows": rows,
+        "table": "\n".join(lines),
+    }

@@ -29,7 +29,6 @@ from varuna.schedule import (
     Span,
     lower,
     make_schedule,
-    releasing,
     schedule_spec,
     split_backwards,
 )
@@ -58,15 +57,20 @@ def lowered(name: str, stages: int, microbatches: int, *, recompute: bool, split
 
 def inflight_in_order(schedule: Schedule) -> list[int]:
     """Per stage, the most micro-batches forwarded and not yet released when it runs its list in
-    order (as `Timeline.peak_inflight` counts them)."""
+    order (as `Timeline.peak_inflight` counts them: a B releases its micro-batch, or its W where
+    `split_backwards` split that backward)."""
     out = []
     for s in range(len(schedule)):
         actions = schedule[s]
-        frees = releasing(actions)  # type: ignore[arg-type]  # Actions have kind and microbatch too
+        split = {a.microbatch for a in actions if a.kind == WEIGHT_KIND}
         held = peak = 0
         for a in actions:
-            held += (a.kind == "F") - ((a.kind, a.microbatch) in frees)
-            peak = max(peak, held)
+            kind = a.kind
+            if kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif kind == WEIGHT_KIND or (kind == "B" and a.microbatch not in split):
+                held -= 1
         out.append(peak)
     return out
 
@@ -94,6 +98,7 @@ def run_in_order(
     link_free: dict[tuple[str, int], float] = {}
     spans: list[list[Span]] = [[] for _ in range(num)]
     pos, clock = [0] * num, [0.0] * num
+    new = tuple.__new__  # Span(...) without the named tuple's Python-level constructor
     left = sum(len(q) for q in queues)
     while left:
         progressed = False
@@ -126,7 +131,7 @@ def run_in_order(
                     start = max(end, link_free.get(link, 0.0))
                     link_free[link] = start + comm[boundary]
                     arrival[(kind[-1], to, m)] = link_free[link] + (delay_f if forward else delay_b)
-                out.append(Span(kind, a.microbatch, t, end))
+                out.append(new(Span, (kind, a.microbatch, t, end)))
                 t = end
                 i += 1
             if i != pos[s]:

@@ -2,14 +2,15 @@
 
 `explain(result)` reads a `PlanResult` and says, for its best configuration:
 
-- `shares`: its step split into compute, bubble (waiting, the update, the per-step all-reduce) and
-  gradient all-reduce, averaged over the stages (they add up to 1);
+- `shares`: its step split into compute, imbalance (the busiest stage's compute over the average
+  one's: the segments do not split evenly into P stages), bubble (the rest of the waiting, the
+  update, the per-step all-reduce) and gradient all-reduce, averaged over the stages (adding up to 1);
 - `fewer_stages` / `more_stages`: the nearest pipeline depth below and above it, either the reason
   none fits there (out of memory, batch not divisible, too many stages) or its best step time;
-- `limited_by`: the words for what stops a faster plan, most important first: "memory" (a shallower
-  pipeline does not fit), "batch" (more replicas or larger micro-batches do not divide the global
-  batch, or few micro-batches per replica), "bubble" and "all-reduce" (the larger overheads of
-  the step, when above 5%).
+- `limited_by`: the words for what stops a faster plan, most important first: "memory" (the next
+  shallower pipeline does not fit, or only with smaller micro-batches or recompute), "batch" (more replicas or larger micro-batches do not divide the global
+  batch, or few micro-batches per replica), "bubble", "imbalance" and "all-reduce" (the overheads
+  of the step above 5%, largest first).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def _shares(c: Candidate) -> dict[str, float]:
     step, p = t.step_s or 1.0, len(t.busy_s) or 1
     compute = sum(t.busy_s) / (p * step)
     allreduce = sum(t.allreduce_s) / (p * step)
-    return {"compute": compute, "bubble": max(0.0, 1.0 - compute - allreduce), "allreduce": allreduce}
+    imbalance = (max(t.busy_s, default=0.0) - sum(t.busy_s) / p) / step
+    return {
+        "compute": compute,
+        "imbalance": imbalance,
+        "bubble": max(0.0, 1.0 - compute - imbalance - allreduce),
+        "allreduce": allreduce,
+    }
 
 
 def _neighbour(result: PlanResult, depth: int) -> dict[str, Any]:
@@ -36,13 +43,32 @@ def _neighbour(result: PlanResult, depth: int) -> dict[str, Any]:
     if here:
         c = here[0]
         s = _shares(c)
+        # memory held it back if it ran smaller micro-batches or recomputed than its larger
+        # micro-batches / no recompute would have needed
+        held_back = [
+            r
+            for r in result.rejected
+            if r.pipeline == depth
+            and r.kind == "memory"
+            and ((r.micro_batch_size or 0) > c.micro_batch_size or (c.recompute and not r.recompute))
+        ]
+        why = (
+            f"slower: {c.predicted_step_s:.4g} s with micro-batch {c.micro_batch_size}"
+            f"{' and recompute' if c.recompute else ''} (bubble {100 * s['bubble']:.0f}%, "
+            f"all-reduce {100 * s['allreduce']:.0f}%)"
+        )
+        memory = bool(held_back) and (c.recompute or c.micro_batch_size < result.best.micro_batch_size)
+        if memory:
+            r = min(held_back, key=lambda r: r.memory_bytes or 0)
+            why += f"; micro-batch {r.micro_batch_size}{' with' if r.recompute else ' without'} recompute "
+            why += r.reason
         return {
             "pipeline": depth,
             "data": c.data,
             "fits": True,
+            "memory": memory,
             "predicted_step_s": c.predicted_step_s,
-            "why": f"slower: {c.predicted_step_s:.4g} s (bubble {100 * s['bubble']:.0f}%, "
-            f"all-reduce {100 * s['allreduce']:.0f}%)",
+            "why": why,
         }
     out: list[Rejected] = [r for r in result.rejected if r.pipeline == depth]
     kinds = {r.kind for r in out}
@@ -71,7 +97,7 @@ def explain(result: PlanResult) -> dict[str, Any]:
     fewer = _neighbour(result, below[-1]) if below else None
     more = _neighbour(result, above[0]) if above else None
     limited: list[str] = []
-    if fewer is not None and not fewer["fits"] and fewer["kind"] == "memory":
+    if fewer is not None and (fewer["memory"] if fewer["fits"] else fewer["kind"] == "memory"):
         limited.append("memory")
     bigger_mbs = any(
         r.kind == "batch"
@@ -83,7 +109,7 @@ def explain(result: PlanResult) -> dict[str, Any]:
         limited.append("batch")
     elif best.pipeline > 1 and best.num_microbatches < 2 * best.pipeline:
         limited.append("batch")  # few micro-batches per replica: a bubble the batch cannot fill
-    for name in sorted(("bubble", "allreduce"), key=lambda k: -shares[k]):
+    for name in sorted(("bubble", "imbalance", "allreduce"), key=lambda k: -shares[k]):
         if shares[name] > _NOTABLE:
             limited.append("all-reduce" if name == "allreduce" else name)
     if not limited:
@@ -107,7 +133,8 @@ def format_limits(result: PlanResult) -> list[str]:
     lines = [
         f"limited by {', '.join(e['limited_by'])}: best P={e['pipeline']} x D={e['data']} x micro-batch "
         f"{e['micro_batch_size']} (M={e['num_microbatches']}), step {100 * s['compute']:.0f}% compute, "
-        f"{100 * s['bubble']:.0f}% bubble, {100 * s['allreduce']:.0f}% all-reduce"
+        f"{100 * s['imbalance']:.0f}% imbalance, {100 * s['bubble']:.0f}% bubble, "
+        f"{100 * s['allreduce']:.0f}% all-reduce"
     ]
     for key, label in (("fewer_stages", "fewer stages"), ("more_stages", "more stages")):
         n = e[key]

@@ -470,5 +470,5 @@ class _Simulation:
             else:
                 extra = self.messages.get("DELAY" + a.kind[-2:], 0.0)
             self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + extra
-        self.spans[s].append(Span(a.kind, a.microbatch, t, end))
+        self.spans[s].append(tuple.__new__(Span, (a.kind, a.microbatch, t, end)))  # a Span, quicker
         self.clock[s] = end
