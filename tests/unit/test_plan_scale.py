@@ -194,3 +194,16 @@ def test_cli_plans_1024_gpus_over_hosts(tmp_path: Path, capsys: pytest.CaptureFi
     assert "limited by" in out and "on 128 hosts of 8" in out
     assert main([*args, "--inter-host-gbit", "-1"]) == 2
     assert "--inter-host-gbit" in capsys.readouterr().err
+
+
+def test_scale_bench_reports_shapes_limits_and_plan_times(capsys: pytest.CaptureFixture[str]) -> None:
+    from varuna.bench.__main__ import main as bench
+
+    assert bench(["planner", "--scale", "--quick", "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert [r["gpus"] for r in report["rows"]] == [256, 1024]
+    for r in report["rows"]:
+        assert r["pipeline"] * r["data"] == r["gpus"] and r["plan_s"] > 0 and r["limited_by"]
+        assert r["data"] * r["micro_batch_size"] * r["num_microbatches"] == report["global_batch_size"]
+    assert "limited by" in captured.err and "1024" in captured.err
