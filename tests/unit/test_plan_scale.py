@@ -207,3 +207,20 @@ def test_scale_bench_reports_shapes_limits_and_plan_times(capsys: pytest.Capture
         assert r["pipeline"] * r["data"] == r["gpus"] and r["plan_s"] > 0 and r["limited_by"]
         assert r["data"] * r["micro_batch_size"] * r["num_microbatches"] == report["global_batch_size"]
     assert "limited by" in captured.err and "1024" in captured.err
+
+
+@pytest.mark.parametrize("schedules", [None, ("varuna",)])
+def test_nothing_fits_names_the_same_smallest_requirement_fast_or_not(
+    schedules: tuple[str, ...] | None,
+) -> None:
+    """With only Varuna's schedule every pipelined rejection is a lower bound: the message still
+    names the exact smallest requirement, simulated."""
+    messages = []
+    for fast in (True, False):
+        with pytest.raises(PlanError, match="nothing fits in 512.0 MiB per device") as info:
+            plan(varied_table(), gpus=8, memory_bytes=GiB // 2, global_batch_size=32, schedules=schedules,  # type: ignore[arg-type]
+                 fast=fast)  # fmt: skip
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    if schedules:
+        assert "the smallest requirement is 1.0 GiB (P=8, D=1, micro-batch size 1, varuna" in messages[0]

@@ -15,6 +15,8 @@ rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks ea
   group whose ring leaves a host shares that host's network: with g GPUs busy on a host and k of
   them in each group, g/k rings share `inter_bandwidth_Bps`, so a ring gets k/g of it (capped by
   the intra-host bandwidth).
+- Shared cores (a CPU profile's `compute_slowdown`): only the replicas on one host share its cores
+  (G / P of them, at most D), not all D.
 
 Defaults (`varuna plan --gpus-per-host 8` alone): 100 Gbit/s Ethernet between hosts
 (12.5e9 bytes/s per host) with 20 us latency, the commodity network Varuna was built for.

@@ -307,8 +307,8 @@ class _Shape:
             self.update[-1] += segs[0].update_s * table.tied_bytes / max(segs[0].param_bytes, 1)
         self.final = links.step_allreduce(_STEP_ALLREDUCE_BYTES)
         self.sharing = (
-            Sharing(
-                replicas=data,
+            Sharing(  # ranks share the cores of their own host only: its replicas, at most D
+                replicas=data if cluster is None else min(data, max(1, cluster.gpus_per_host // pipeline)),
                 slowdown=table.compute_slowdown,
                 delivery=net.delivery_s,
                 message_cpu_s=[net.message_cpu_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]],
