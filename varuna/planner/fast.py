@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from typing import Protocol
 
 from varuna.errors import ScheduleError
@@ -43,16 +42,27 @@ class _Cost(Protocol):
 __all__ = ["lowered", "inflight_in_order", "run_in_order"]
 
 
-@lru_cache(maxsize=256)
-def _lowered(name: str, stages: int, microbatches: int, recompute: bool, split: bool) -> Schedule:
-    out = lower(make_schedule(name, stages, microbatches, recompute=recompute))  # type: ignore[arg-type]
-    return split_backwards(out) if split and schedule_spec(name).split_backward else out
+_LOWERED: dict[tuple[object, ...], Schedule] = {}
+_LOWERED_MAX = 256
 
 
 def lowered(name: str, stages: int, microbatches: int, *, recompute: bool, split: bool = True) -> Schedule:
     """`build_schedule(name, stages, microbatches, recompute=..., split_backward=split)` without
-    validating, cached: callers must not change the lists."""
-    return _lowered(name, stages, microbatches, bool(recompute), bool(split))
+    validating, cached: callers must not change the lists. Schedules with the same order function
+    share their lists (1F1B and Varuna's: the same order, Varuna's recomputes by default; what
+    `make_schedule` and the passes do depends on nothing else)."""
+    spec = schedule_spec(name)
+    split = bool(split) and spec.split_backward
+    key = (spec.order, stages, microbatches, bool(recompute), split)
+    found = _LOWERED.get(key)
+    if found is None:
+        found = lower(make_schedule(name, stages, microbatches, recompute=bool(recompute)))  # type: ignore[arg-type]
+        if split:
+            found = split_backwards(found)
+        if len(_LOWERED) >= _LOWERED_MAX:
+            _LOWERED.clear()
+        _LOWERED[key] = found
+    return found
 
 
 def inflight_in_order(schedule: Schedule) -> list[int]:
