@@ -120,18 +120,20 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     plan.add_argument("--top", type=int, default=10, metavar="K", help="show the best K (default 10)")
     plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
     hosts = plan.add_argument_group(
-        "hosts", "spread the GPUs over hosts; within a host the profile's network applies (default: one host)"
+        "hosts",
+        "spread the GPUs over hosts; within a host the profile's network applies (default: the profile's "
+        "gpus_per_host, else one host)",
     )
     hosts.add_argument(
         "--gpus-per-host", type=int, metavar="G", help="GPUs on each host, filled in rank order"
     )
     hosts.add_argument(
-        "--inter-host-gbit", type=float, default=100.0, metavar="GBIT",
-        help="network between hosts, Gbit/s per host shared by its GPUs (default 100)",
+        "--inter-host-gbit", type=float, metavar="GBIT",
+        help="network between hosts, Gbit/s per host shared by its GPUs (default: the profile's, else 100)",
     )  # fmt: skip
     hosts.add_argument(
-        "--inter-host-latency-us", type=float, default=20.0, metavar="US",
-        help="latency of a message between hosts, microseconds (default 20)",
+        "--inter-host-latency-us", type=float, metavar="US",
+        help="latency of a message between hosts, microseconds (default: the profile's, else 20)",
     )  # fmt: skip
     hosts.add_argument(
         "--intra-host-gbit", type=float, metavar="GBIT",
@@ -152,18 +154,21 @@ def _plan(args: argparse.Namespace) -> int:
     from varuna.planner.limits import explain, format_limits
     from varuna.planner.search import plan
 
-    cluster = None
-    if args.gpus_per_host is not None:
-        cluster = Cluster(
-            gpus_per_host=args.gpus_per_host,
-            inter_bandwidth_Bps=args.inter_host_gbit * 1e9 / 8,
-            inter_latency_s=args.inter_host_latency_us * 1e-6,
-            intra_bandwidth_Bps=None if args.intra_host_gbit is None else args.intra_host_gbit * 1e9 / 8,
-            intra_latency_s=None if args.intra_host_latency_us is None else args.intra_host_latency_us * 1e-6,
-        )
+    def scaled(value: float | None, factor: float) -> float | None:
+        return None if value is None else value * factor
+
+    table = CostTable.load(args.profile)
+    cluster = Cluster.from_network(
+        table.network,
+        gpus_per_host=args.gpus_per_host,
+        inter_bandwidth_Bps=scaled(args.inter_host_gbit, 1e9 / 8),
+        inter_latency_s=scaled(args.inter_host_latency_us, 1e-6),
+        intra_bandwidth_Bps=scaled(args.intra_host_gbit, 1e9 / 8),
+        intra_latency_s=scaled(args.intra_host_latency_us, 1e-6),
+    )
     start = time.perf_counter()
     result = plan(
-        CostTable.load(args.profile),
+        table,
         gpus=args.gpus,
         memory_bytes=args.memory,
         global_batch_size=args.global_batch,

@@ -13,7 +13,7 @@ import pytest
 
 from varuna.bench._plan_scale import PaperGPT, paper_table
 from varuna.cli import main
-from varuna.errors import PlanError
+from varuna.errors import ConfigError, PlanError
 from varuna.planner.cluster import Cluster, Links
 from varuna.planner.costs import CostTable, NetworkCost, SegmentCost
 from varuna.planner.fast import inflight_in_order, lowered, run_in_order
@@ -224,3 +224,26 @@ def test_nothing_fits_names_the_same_smallest_requirement_fast_or_not(
     assert messages[0] == messages[1]
     if schedules:
         assert "the smallest requirement is 1.0 GiB (P=8, D=1, micro-batch size 1, varuna" in messages[0]
+
+
+def test_hosts_from_the_profile_or_the_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = paper_table(PaperGPT(n_layer=8, d_model=1024, seq=512))
+    table.network.gpus_per_host, table.network.inter_host_bandwidth_Bps = 4, 1e9
+    back = CostTable.load(table.save(tmp_path / "profile.json"))
+    assert back.network == table.network
+    assert Cluster.from_network(back.network) == Cluster(gpus_per_host=4, inter_bandwidth_Bps=1e9)
+    assert Cluster.from_network(back.network, gpus_per_host=8, inter_latency_s=1e-6) == Cluster(
+        gpus_per_host=8, inter_bandwidth_Bps=1e9, inter_latency_s=1e-6
+    )
+    args = ["plan", "--gpus", "16", "--memory", "80GiB", "--global-batch", "64", "--top", "1"]
+    assert main([*args, "--profile", str(tmp_path / "profile.json")]) == 0
+    assert "on 4 hosts of 4" in capsys.readouterr().out
+    plain = paper_table(PaperGPT(n_layer=8, d_model=1024, seq=512)).save(tmp_path / "plain.json")
+    assert main([*args, "--profile", str(plain)]) == 0
+    assert "hosts of" not in capsys.readouterr().out
+    assert main([*args, "--profile", str(plain), "--inter-host-gbit", "200"]) == 2
+    assert "pass --gpus-per-host G" in capsys.readouterr().err
+    assert main([*args, "--profile", str(plain), "--gpus-per-host", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="gpus_per_host = -1"):
+        NetworkCost(p2p_latency_s=0, p2p_bandwidth_Bps=1, gpus_per_host=-1)

@@ -18,7 +18,9 @@ rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks ea
 - Shared cores (a CPU profile's `compute_slowdown`): only the replicas on one host share its cores
   (G / P of them, at most D), not all D.
 
-Defaults (`varuna plan --gpus-per-host 8` alone): 100 Gbit/s Ethernet between hosts
+The cluster comes from `varuna plan`'s flags, else from the profile's network section
+(`NetworkCost.gpus_per_host`, `inter_host_latency_s`, `inter_host_bandwidth_Bps`: add them to
+profile.json by hand, the profile measures one host). Defaults (`varuna plan --gpus-per-host 8` alone): 100 Gbit/s Ethernet between hosts
 (12.5e9 bytes/s per host) with 20 us latency, the commodity network Varuna was built for.
 """
 
@@ -73,6 +75,28 @@ class Cluster:
                     f"{name} = {value!r}: give seconds >= 0, e.g. 2e-5 "
                     "(varuna plan: --inter-host-latency-us / --intra-host-latency-us in microseconds)"
                 )
+
+    @classmethod
+    def from_network(cls, net: NetworkCost, **given: float | int | None) -> Cluster | None:
+        """The cluster of a profile's network (`NetworkCost.gpus_per_host` and the inter-host
+        fields), with `given` (the same names as the fields; None: not given) taking precedence;
+        None when neither says how many GPUs a host has."""
+        gpus_per_host = given.get("gpus_per_host")
+        chosen = {k: v for k, v in given.items() if v is not None and k != "gpus_per_host"}
+        if gpus_per_host is None:
+            gpus_per_host = net.gpus_per_host
+            if not gpus_per_host:
+                if chosen:
+                    raise PlanError(
+                        f"{', '.join(sorted(chosen))} given, but not how many GPUs a host has: pass "
+                        "--gpus-per-host G (or set gpus_per_host in the profile's network section)"
+                    )
+                return None
+        if net.inter_host_bandwidth_Bps:
+            chosen.setdefault("inter_bandwidth_Bps", net.inter_host_bandwidth_Bps)
+        if net.inter_host_latency_s:
+            chosen.setdefault("inter_latency_s", net.inter_host_latency_s)
+        return cls(gpus_per_host=gpus_per_host, **chosen)  # type: ignore[arg-type]
 
     def hosts(self, gpus: int) -> int:
         """Hosts that `gpus` ranks fill."""
