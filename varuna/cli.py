@@ -119,21 +119,72 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     plan.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per step")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="show the best K (default 10)")
     plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    hosts = plan.add_argument_group(
+        "hosts",
+        "spread the GPUs over hosts; within a host the profile's network applies (default: the profile's "
+        "gpus_per_host, else one host)",
+    )
+    hosts.add_argument(
+        "--gpus-per-host", type=int, metavar="G", help="GPUs on each host, filled in rank order"
+    )
+    hosts.add_argument(
+        "--inter-host-gbit", type=float, metavar="GBIT",
+        help="network between hosts, Gbit/s per host shared by its GPUs (default: the profile's, else 100)",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--inter-host-latency-us", type=float, metavar="US",
+        help="latency of a message between hosts, microseconds (default: the profile's, else 20)",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--intra-host-gbit", type=float, metavar="GBIT",
+        help="bandwidth between GPUs of a host, Gbit/s (default: the profile's point-to-point)",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--intra-host-latency-us", type=float, metavar="US",
+        help="latency within a host, microseconds (default: the profile's point-to-point)",
+    )  # fmt: skip
 
 
 def _plan(args: argparse.Namespace) -> int:
     import json
+    import time
 
+    from varuna.planner.cluster import Cluster
     from varuna.planner.costs import CostTable
+    from varuna.planner.limits import explain, format_limits
     from varuna.planner.search import plan
 
+    def scaled(value: float | None, factor: float) -> float | None:
+        return None if value is None else value * factor
+
+    table = CostTable.load(args.profile)
+    cluster = Cluster.from_network(
+        table.network,
+        gpus_per_host=args.gpus_per_host,
+        inter_bandwidth_Bps=scaled(args.inter_host_gbit, 1e9 / 8),
+        inter_latency_s=scaled(args.inter_host_latency_us, 1e-6),
+        intra_bandwidth_Bps=scaled(args.intra_host_gbit, 1e9 / 8),
+        intra_latency_s=scaled(args.intra_host_latency_us, 1e-6),
+    )
+    start = time.perf_counter()
     result = plan(
-        CostTable.load(args.profile),
+        table,
         gpus=args.gpus,
         memory_bytes=args.memory,
         global_batch_size=args.global_batch,
+        cluster=cluster,
     )
-    print(json.dumps(result.to_json(top=args.top), indent=1) if args.json else result.format(top=args.top))
+    took = time.perf_counter() - start
+    if args.json:
+        out = result.to_json(top=args.top)
+        out["limits"] = explain(result)
+        out["plan_s"] = took
+        print(json.dumps(out, indent=1))
+    else:
+        hosts = f" on {cluster.hosts(args.gpus)} hosts of {cluster.gpus_per_host}" if cluster else ""
+        print(result.format(top=args.top))
+        print("\n".join(format_limits(result)))
+        print(f"planned {args.gpus} GPUs{hosts} in {took:.2f} s")
     return 0
 
 

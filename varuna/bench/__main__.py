@@ -55,6 +55,9 @@ BENCHES = {
 
 EXTRA_OPTIONS: dict[str, list[tuple[str, dict[str, str]]]] = {
     "faults": [("--only", {"metavar": "SUBSTRING", "help": "run only the cases whose name holds SUBSTRING"})],
+    "planner": [
+        ("--scale", {"action": "store_true", "help": "plan 8..1024 GPUs of a paper GPT; report plan time"})
+    ],
 }
 """name -> further options of that benchmark: (flag, argparse keywords)."""
 

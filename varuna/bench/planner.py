@@ -431,6 +431,12 @@ def _yes(ok: bool) -> str:
 
 
 def main(args: Any) -> int:
-    """Entry of `python -m varuna.bench planner`; `args` has `json` and `quick`."""
+    """Entry of `python -m varuna.bench planner`; `args` has `json`, `quick` and `scale`
+    (`varuna.bench._plan_scale`: plan times at 8..1024 GPUs, no jobs run)."""
+    if getattr(args, "scale", False):
+        from varuna.bench._plan_scale import scale_report
+
+        report = scale_report(quick=args.quick)
+        return print_report(report, report.pop("table"), args.json)
     report = run(quick() if args.quick else full())
     return print_report(report, format_table(report), args.json)

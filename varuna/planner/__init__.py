@@ -1,5 +1,6 @@
 """The planner: cost tables, the network model, memory, the simulator that times a schedule's
-actions, core sharing, and the search over P x D, micro-batch size and schedule."""
+actions, core sharing, the search over P x D, micro-batch size and schedule, hosts and the network
+between them (`Cluster`), and what limits a plan (`explain`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ _WHERE = {
     "CostTable": "costs",
     "SegmentCost": "costs",
     "NetworkCost": "network",
+    "Cluster": "cluster",
+    "explain": "limits",
     "model_signature": "costs",
     "simulate": "simulator",
     "StageCost": "simulator",

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from varuna.planner.cluster import Cluster
 from varuna.planner.costs import CostTable
 from varuna.planner.search import PlanError, PlanResult, format_bytes, parse_memory, plan
 from varuna.schedule import SCHEDULES
@@ -85,7 +86,8 @@ def plan_for(
     fixed: Fixed,
     signature: str | None = None,
 ) -> PlanResult:
-    """`plan` restricted to what the user fixed: the search `pipeline="auto"` runs."""
+    """`plan` restricted to what the user fixed: the search `pipeline="auto"` runs (on the
+    profile's hosts where its network section names them, `Cluster.from_network`)."""
     if fixed.data is not None and (fixed.data < 1 or gpus % fixed.data):
         raise PlanError(
             f"data={fixed.data} does not divide the {gpus} devices; with pipeline='auto' pass a data "
@@ -103,6 +105,7 @@ def plan_for(
         model_signature=signature,
         micro_batch_sizes=None if fixed.micro_batch_size is None else (fixed.micro_batch_size,),
         pipelines=None if fixed.data is None else (gpus // fixed.data,),
+        cluster=Cluster.from_network(table.network),
     )
 
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 from varuna.cut.partition import balance
 from varuna.planner.costs import CostTable
+from varuna.planner.result import Candidate
 from varuna.planner.sharing import Sharing
 from varuna.planner.simulator import StageCost, Timeline, simulate
 from varuna.schedule import ScheduleName, schedule_spec
 
-__all__ = ["ChunkedPrice", "price_chunked", "chunked_misfit"]
+__all__ = ["ChunkedPrice", "price_chunked", "chunked_misfit", "chunked_candidate"]
 
 _STEP_ALLREDUCE_BYTES = 64
 
@@ -123,3 +124,35 @@ def price_chunked(
         per_param = sum(s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in segs) / max(total, 1)
         memory[last] += int(table.tied_bytes * per_param)
     return ChunkedPrice(timeline=timeline, boundaries=boundaries, memory_per_rank=memory)
+
+
+def chunked_candidate(
+    table: CostTable,
+    pipeline: int,
+    data: int,
+    mbs: int,
+    schedule: ScheduleName,
+    recompute: bool,
+    global_batch_size: int,
+    boundaries: tuple[int, ...] | None = None,
+    split_backward: bool = True,
+) -> Candidate:
+    """The planner's candidate for a multi-chunk schedule (`price_chunked`)."""
+    priced = price_chunked(
+        table, pipeline, data, mbs, schedule, recompute, global_batch_size, boundaries, split_backward
+    )
+    step = priced.timeline.step_s
+    return Candidate(
+        pipeline=pipeline,
+        data=data,
+        micro_batch_size=mbs,
+        num_microbatches=global_batch_size // (data * mbs),
+        schedule=schedule,
+        recompute=recompute,
+        boundaries=priced.boundaries,
+        predicted_step_s=step,
+        samples_per_s=global_batch_size / step if step > 0 else float("inf"),
+        bubble_fraction=priced.timeline.bubble_fraction,
+        memory_per_stage_bytes=priced.memory_per_rank,
+        timeline=priced.timeline,
+    )

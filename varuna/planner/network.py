@@ -86,6 +86,13 @@ class NetworkCost:
     for. The runtime's pull-ahead (Varuna's schedule) asks exactly that; gloo's receives say
     "not completed" until waited for, so there stage 0 always pulls the next forward ahead and the
     other stages never do (measured by the profile)."""
+    gpus_per_host: int = 0
+    """GPUs per host of the cluster the job runs on; with it `varuna plan` spreads the GPUs over
+    hosts (`varuna.planner.cluster`) unless --gpus-per-host says otherwise. 0: not given."""
+    inter_host_latency_s: float = 0.0
+    """Seconds of a minimal message between hosts; 0: not given (`cluster.INTER_LATENCY_S`)."""
+    inter_host_bandwidth_Bps: float = 0.0
+    """Bytes per second of one host's network to the others; 0: not given (`cluster.INTER_BANDWIDTH_BPS`)."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.p2p_latency_s) or self.p2p_latency_s < 0:
@@ -119,6 +126,10 @@ class NetworkCost:
                 )
         if self.message_cpu:
             self.message_cpu = _check_points(self.message_cpu, "NetworkCost.message_cpu")
+        for name in ("gpus_per_host", "inter_host_latency_s", "inter_host_bandwidth_Bps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"NetworkCost.{name} = {value!r}; give a number >= 0 (0: not given)")
         for kind, seconds in self.message_s.items():
             if kind not in MESSAGE_KINDS or not math.isfinite(seconds) or seconds < 0:
                 raise ConfigError(
@@ -180,6 +191,9 @@ class NetworkCost:
             "reports_arrival": self.reports_arrival,
             "delivery_s": {str(n): dict(d) for n, d in sorted(self.delivery_s.items())},
             "message_cpu": [[b, t] for b, t in self.message_cpu],
+            "gpus_per_host": self.gpus_per_host,
+            "inter_host_latency_s": self.inter_host_latency_s,
+            "inter_host_bandwidth_Bps": self.inter_host_bandwidth_Bps,
         }
 
     @classmethod
@@ -203,6 +217,9 @@ class NetworkCost:
                 for n, d in _int_keys(data.get("delivery_s", {}), "delivery_s").items()
             },
             message_cpu=[(int(b), float(t)) for b, t in data.get("message_cpu", [])],
+            gpus_per_host=int(data.get("gpus_per_host", 0)),
+            inter_host_latency_s=float(data.get("inter_host_latency_s", 0.0)),
+            inter_host_bandwidth_Bps=float(data.get("inter_host_bandwidth_Bps", 0.0)),
         )
 
 

@@ -21,190 +21,45 @@ holds at its peak: the simulated peak number of micro-batches in flight (GPipe: 
 M), Varuna's pull-ahead may hold more) times one micro-batch's activations; with recompute only each
 held micro-batch's stage input plus one micro-batch's full activations (the last stage never
 recomputes, as in the runtime).
+
+At scale (`cluster`: hosts of several GPUs, `varuna.planner.cluster`) transfers and all-reduces
+that leave a host cost the network between hosts. The search stays fast where it provably gives
+the same answer (`varuna.planner.fast`): each schedule's action lists are built once, stage
+boundaries and costs once per (P, micro-batch size), a configuration whose memory exceeds the limit
+already in its list order is rejected without simulating it, and schedules without pull-ahead are
+timed stage by stage. `fast=False` simulates everything event by event (the reference).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import lru_cache
+from typing import Any
 
 from varuna.cut.partition import balance
 from varuna.errors import PlanError
-from varuna.planner.chunked import chunked_misfit, price_chunked
+from varuna.planner.chunked import chunked_candidate, chunked_misfit
+from varuna.planner.cluster import Cluster, Links
 from varuna.planner.costs import CostTable
+from varuna.planner.fast import inflight_in_order, lowered
 from varuna.planner.memory import _memory, format_bytes, parse_memory
-from varuna.planner.simulator import Sharing, StageCost, Timeline, simulate
-from varuna.schedule import SCHEDULES, ScheduleName, build_schedule, schedule_spec
+from varuna.planner.result import Candidate, PlanResult, Rejected
+from varuna.planner.simulator import Sharing, StageCost, simulate_lowered
+from varuna.schedule import SCHEDULES, ScheduleName, schedule_spec
 
 __all__ = [
     "PlanError",
     "Candidate",
     "Rejected",
     "PlanResult",
+    "Cluster",
     "plan",
     "predict",
     "parse_memory",
     "format_bytes",
 ]
 
-RejectKind = Literal["memory", "batch", "stages"]
 _STEP_ALLREDUCE_BYTES = 64  # the per-step loss / overflow / stop-flag all-reduce
-
-
-@dataclass(kw_only=True, slots=True)
-class Candidate:
-    """One configuration that fits, with its prediction."""
-
-    pipeline: int
-    """Pipeline depth P (stages)."""
-    data: int
-    """Data-parallel replicas D."""
-    micro_batch_size: int
-    """Samples per micro-batch."""
-    num_microbatches: int
-    """Micro-batches per replica per step, M = global batch / (D x mbs)."""
-    schedule: ScheduleName
-    """"gpipe", "1f1b" or "varuna"."""
-    recompute: bool
-    """Whether non-last stages recompute activations before the backward."""
-    boundaries: tuple[int, ...]
-    """The P-1 CutPoint indices ending stages 0..P-2 (`Varuna(partition=...)`)."""
-    predicted_step_s: float
-    """Simulated seconds per step."""
-    samples_per_s: float
-    """Global batch / predicted step time."""
-    bubble_fraction: float
-    """Simulated idle fraction of the step."""
-    memory_per_stage_bytes: list[int]
-    """Estimated peak bytes on each stage's device."""
-    timeline: Timeline = field(repr=False)
-    """The simulated step, for drawing."""
-
-    @property
-    def max_memory_bytes(self) -> int:
-        """The largest per-device requirement."""
-        return max(self.memory_per_stage_bytes)
-
-    def to_json(self, *, include_timeline: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict; `include_timeline` adds the predicted spans (`Timeline.to_events`)."""
-        out: dict[str, Any] = {
-            "pipeline": self.pipeline,
-            "data": self.data,
-            "micro_batch_size": self.micro_batch_size,
-            "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule,
-            "recompute": self.recompute,
-            "boundaries": list(self.boundaries),
-            "predicted_step_s": self.predicted_step_s,
-            "samples_per_s": self.samples_per_s,
-            "bubble_fraction": self.bubble_fraction,
-            "memory_per_stage_bytes": list(self.memory_per_stage_bytes),
-        }
-        if include_timeline:
-            out["timeline"] = self.timeline.to_events()
-        return out
-
-
-@dataclass(kw_only=True, slots=True)
-class Rejected:
-    """A configuration the planner ruled out; None fields mean "every value" (e.g. every schedule)."""
-
-    pipeline: int
-    data: int
-    micro_batch_size: int | None = None
-    schedule: ScheduleName | None = None
-    recompute: bool | None = None
-    kind: RejectKind
-    """"memory" (does not fit), "batch" (global batch not divisible), "stages" (P > segments)."""
-    reason: str
-    """What ruled it out, e.g. "out of memory: stage 1 needs 17.2 GiB > 16.0 GiB"."""
-    memory_bytes: int | None = None
-    """For "memory": the largest per-stage requirement."""
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            k: getattr(self, k)
-            for k in ("pipeline", "data", "micro_batch_size", "schedule", "recompute", "kind", "reason")
-        }
-
-
-@dataclass(kw_only=True, slots=True)
-class PlanResult:
-    """Ranked candidates (best first) and the rejected configurations with their reasons."""
-
-    ranked: list[Candidate]
-    rejected: list[Rejected]
-    gpus: int
-    memory_bytes: int
-    global_batch_size: int
-
-    @property
-    def best(self) -> Candidate:
-        """The configuration with the shortest predicted step."""
-        return self.ranked[0]
-
-    def to_json(self, *, top: int | None = None) -> dict[str, Any]:
-        """A JSON-ready dict: the inputs, the first `top` ranked candidates and all rejections."""
-        return {
-            "gpus": self.gpus,
-            "memory_bytes": self.memory_bytes,
-            "global_batch_size": self.global_batch_size,
-            "ranked": [c.to_json() for c in self.ranked[:top]],
-            "rejected": [r.to_json() for r in self.rejected],
-        }
-
-    def format(self, *, top: int = 10) -> str:
-        """The ranked table and the rejections grouped by kind, as `varuna plan` prints them."""
-        head = (
-            "#",
-            "P",
-            "D",
-            "mbs",
-            "M",
-            "schedule",
-            "recompute",
-            "step s",
-            "samples/s",
-            "bubble",
-            "max mem",
-        )
-        rows = [
-            (
-                str(i + 1),
-                str(c.pipeline),
-                str(c.data),
-                str(c.micro_batch_size),
-                str(c.num_microbatches),
-                c.schedule,
-                "yes" if c.recompute else "no",
-                f"{c.predicted_step_s:.4g}",
-                f"{c.samples_per_s:.4g}",
-                f"{100 * c.bubble_fraction:.1f}%",
-                format_bytes(c.max_memory_bytes),
-            )
-            for i, c in enumerate(self.ranked[:top])
-        ]
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        lines = [
-            f"{len(self.ranked)} configurations fit {self.gpus} devices of {format_bytes(self.memory_bytes)} "
-            f"(global batch {self.global_batch_size}); best first:"
-        ]
-        lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [head, *rows]]
-        if len(self.ranked) > top:
-            lines.append(f"... and {len(self.ranked) - top} more (--top N shows more)")
-        if self.rejected:
-            lines.append(f"{len(self.rejected)} rejected:")
-            for kind, label in (
-                ("memory", "out of memory"),
-                ("batch", "batch"),
-                ("stages", "too many stages"),
-            ):
-                group = [r for r in self.rejected if r.kind == kind]
-                if group:
-                    lines.append(f"  {len(group)} {label}, e.g. P={group[0].pipeline}: {group[0].reason}")
-        return "\n".join(lines)
 
 
 def _stage_ranges(boundaries: Sequence[int], num_segments: int) -> list[range]:
@@ -231,6 +86,8 @@ def plan(
     model_signature: str | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     pipelines: Sequence[int] | None = None,
+    cluster: Cluster | None = None,
+    fast: bool = True,
 ) -> PlanResult:
     """Rank every configuration for `gpus` devices of `memory_bytes` (or "16GiB") each.
 
@@ -240,6 +97,8 @@ def plan(
     of `schedules` that gives it.
 
     `micro_batch_sizes` and `pipelines` restrict the search to those values (what a user fixed).
+    `cluster` spreads the GPUs over hosts (None: one host, the profile's network throughout);
+    `fast=False` simulates every configuration event by event (see the module docstring).
 
     Raises PlanError for zero GPUs, a table whose `model_signature` differs from the given one,
     unknown schedules, micro-batch sizes the table lacks, or when no configuration is left
@@ -289,6 +148,8 @@ def plan(
                     Rejected(pipeline=pipeline, data=data, micro_batch_size=mbs, kind="batch", reason=reason)
                 )
                 continue
+            shape = _Shape(table, pipeline, data, mbs, cluster)
+            microbatches = global_batch_size // (data * mbs)
             seen: set[tuple[Any, ...]] = set()
             for schedule in schedules:
                 misfit = (
@@ -305,32 +166,15 @@ def plan(
                     )  # fmt: skip
                     continue
                 for recompute in dict.fromkeys(bool(r) and pipeline > 1 for r in recompute_options):
-                    same = _runs_as(schedule, pipeline, global_batch_size // (data * mbs), recompute)
+                    same = _runs_as(schedule, pipeline, microbatches, recompute)
                     if same in seen:
                         continue
                     seen.add(same)
-                    cand = _evaluate(table, pipeline, data, mbs, schedule, recompute, global_batch_size)
-                    need = cand.max_memory_bytes
-                    if need <= memory_bytes:
-                        ranked.append(cand)
-                        continue
-                    worst = cand.memory_per_stage_bytes.index(need)
-                    reason = f"out of memory: stage {worst} needs {format_bytes(need)} > {format_bytes(memory_bytes)}"
-                    rejected.append(
-                        Rejected(
-                            pipeline=pipeline,
-                            data=data,
-                            micro_batch_size=mbs,
-                            schedule=schedule,
-                            recompute=recompute,
-                            kind="memory",
-                            reason=reason,
-                            memory_bytes=need,
-                        )
-                    )
+                    found = _try(shape, schedule, recompute, global_batch_size, memory_bytes, fast)
+                    (ranked if isinstance(found, Candidate) else rejected).append(found)  # type: ignore[arg-type]
     ranked.sort(key=lambda c: (c.predicted_step_s, c.max_memory_bytes, c.pipeline, -c.micro_batch_size))
     if not ranked:
-        raise PlanError(_nothing_fits(rejected, gpus, memory_bytes, global_batch_size))
+        raise PlanError(_nothing_fits(rejected, gpus, memory_bytes, global_batch_size, table, cluster))
     return PlanResult(
         ranked=ranked,
         rejected=rejected,
@@ -340,10 +184,24 @@ def plan(
     )
 
 
-def _nothing_fits(rejected: list[Rejected], gpus: int, memory_bytes: int, global_batch_size: int) -> str:
+def _nothing_fits(
+    rejected: list[Rejected],
+    gpus: int,
+    memory_bytes: int,
+    global_batch_size: int,
+    table: CostTable,
+    cluster: Cluster | None,
+) -> str:
     memory = [r for r in rejected if r.kind == "memory"]
     if memory:
-        r = min(memory, key=lambda r: r.memory_bytes or 0)
+        while True:  # the smallest exact requirement: simulate the bounds that could be smaller
+            r = min(memory, key=lambda r: r.memory_bytes or 0)
+            if not r.memory_at_least or r.micro_batch_size is None or r.schedule is None:
+                break
+            shape = _Shape(table, r.pipeline, r.data, r.micro_batch_size, cluster)
+            exact = _try(shape, r.schedule, bool(r.recompute), global_batch_size, memory_bytes, fast=False)
+            assert isinstance(exact, Rejected)  # its lower bound was over the limit already
+            memory[memory.index(r)] = rejected[rejected.index(r)] = exact
         how = "with recompute" if r.recompute else "without recompute"
         return (
             f"nothing fits in {format_bytes(memory_bytes)} per device: the smallest requirement is "
@@ -408,13 +266,152 @@ def predict(
     )  # fmt: skip
 
 
+@lru_cache(maxsize=256)
 def _runs_as(schedule: ScheduleName, pipeline: int, microbatches: int, recompute: bool) -> tuple[Any, ...]:
     """What the runtime does for `schedule` at a shape: its lowered action lists, and whether it
     pulls forwards ahead (Varuna's, with a stage to wait for)."""
-    lowered = build_schedule(schedule, pipeline, microbatches, recompute=recompute)
+    lists = lowered(schedule, pipeline, microbatches, recompute=recompute)
     return (
-        tuple(tuple(lowered[s]) for s in sorted(lowered)),
+        tuple(tuple(lists[s]) for s in sorted(lists)),
         schedule_spec(schedule).pull_ahead and pipeline > 1,
+    )
+
+
+class _Shape:
+    """Everything about one P x D x micro-batch size that does not depend on the schedule: stage
+    boundaries, per-stage costs, transfers, all-reduces and updates."""
+
+    def __init__(
+        self,
+        table: CostTable,
+        pipeline: int,
+        data: int,
+        mbs: int,
+        cluster: Cluster | None = None,
+        boundaries: tuple[int, ...] | None = None,
+    ) -> None:
+        segs = table.segments
+        self.table, self.pipeline, self.data, self.mbs = table, pipeline, data, mbs
+        self.fast = True
+        if boundaries is None:
+            boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
+        self.boundaries = boundaries
+        self.stages = stages = _stage_ranges(boundaries, len(segs))
+        extra = table.action_overhead_s if pipeline > 1 else 0.0  # one stage: exactly the profiled pass
+        self.costs = [
+            StageCost(
+                forward_s=sum(segs[j].forward_s[mbs] for j in r) + extra,
+                backward_s=sum(segs[j].backward_s[mbs] for j in r) + extra,
+                recompute_s=sum(segs[j].recompute_at(mbs) for j in r) + extra,
+            )
+            for r in stages
+        ]
+        net = table.network
+        links = Links(net, cluster, pipeline, data)
+        self.comm = [links.p2p(s, segs[r[-1]].activation_bytes[mbs]) for s, r in enumerate(stages[:-1])]
+        self.reduce = [
+            links.stage_allreduce(s, sum(segs[j].grad_bytes for j in r)) for s, r in enumerate(stages)
+        ]
+        self.update = [sum(segs[j].update_s for j in r) for r in stages]
+        if pipeline > 1 and table.tied_bytes:
+            tied = links.tied_allreduce(table.tied_bytes)
+            self.reduce[0] += tied
+            self.reduce[-1] += tied
+            # the last stage updates its own copy of the tied weights, at segment 0's cost per byte
+            self.update[-1] += segs[0].update_s * table.tied_bytes / max(segs[0].param_bytes, 1)
+        self.final = links.step_allreduce(_STEP_ALLREDUCE_BYTES)
+        self.sharing = (
+            Sharing(  # ranks share the cores of their own host only: its replicas, at most D
+                replicas=data if cluster is None else min(data, max(1, cluster.gpus_per_host // pipeline)),
+                slowdown=table.compute_slowdown,
+                delivery=net.delivery_s,
+                message_cpu_s=[net.message_cpu_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]],
+            )
+            if table.compute_slowdown or net.delivery_s
+            else None
+        )
+
+    def memory(self, recompute: bool, inflight: list[int], split_backward: bool) -> list[int]:
+        """Bytes per stage with `inflight` micro-batches held at the peak."""
+        return _memory(
+            self.table, self.stages, self.mbs, recompute, inflight, split_backward and self.pipeline > 1
+        )
+
+    def evaluate(
+        self, schedule: ScheduleName, recompute: bool, global_batch_size: int, split_backward: bool = True
+    ) -> Candidate:
+        """Simulate `schedule` at this shape."""
+        microbatches = global_batch_size // (self.data * self.mbs)
+        timeline = simulate_lowered(
+            lowered(schedule, self.pipeline, microbatches, recompute=recompute, split=split_backward),
+            self.costs,
+            comm=self.comm,
+            allreduce_s=self.reduce,
+            final_allreduce_s=self.final,
+            update_s=self.update,
+            sharing=self.sharing,
+            message_s=self.table.network.message_s,
+            sees_arrivals=self.table.network.reports_arrival,
+            opportunistic=schedule_spec(schedule).pull_ahead,
+            name=schedule,
+            num_microbatches=microbatches,
+            in_order=self.fast,
+        )
+        return Candidate(
+            pipeline=self.pipeline,
+            data=self.data,
+            micro_batch_size=self.mbs,
+            num_microbatches=microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            boundaries=self.boundaries,
+            predicted_step_s=timeline.step_s,
+            samples_per_s=global_batch_size / timeline.step_s if timeline.step_s > 0 else float("inf"),
+            bubble_fraction=timeline.bubble_fraction,
+            memory_per_stage_bytes=self.memory(recompute, timeline.peak_inflight, split_backward),
+            timeline=timeline,
+        )
+
+
+def _try(
+    shape: _Shape, schedule: ScheduleName, recompute: bool, global_batch_size: int, limit: int, fast: bool
+) -> Candidate | Rejected:
+    """The candidate, or why it does not fit. With `fast`, memory over `limit` in list order is
+    rejected before simulating (exactly the simulated memory without pull-ahead, a lower bound with
+    it: `varuna.planner.fast`)."""
+    at_least, shape.fast = False, fast
+    if schedule_spec(schedule).chunks_per_rank > 1:  # P x V virtual stages: simulated event by event
+        cand = chunked_candidate(
+            shape.table, shape.pipeline, shape.data, shape.mbs, schedule, recompute, global_batch_size
+        )
+        if cand.max_memory_bytes <= limit:
+            return cand
+        need_per_stage = cand.memory_per_stage_bytes
+    else:
+        if fast:
+            lists = lowered(
+                schedule, shape.pipeline, global_batch_size // (shape.data * shape.mbs), recompute=recompute
+            )
+            need_per_stage = shape.memory(recompute, inflight_in_order(lists), True)
+            at_least = schedule_spec(schedule).pull_ahead and shape.pipeline > 1
+        if not fast or max(need_per_stage) <= limit:
+            cand = shape.evaluate(schedule, recompute, global_batch_size)
+            if cand.max_memory_bytes <= limit:
+                return cand
+            need_per_stage, at_least = cand.memory_per_stage_bytes, False
+    need = max(need_per_stage)
+    worst = need_per_stage.index(need)
+    bound = "at least " if at_least else ""
+    return Rejected(
+        pipeline=shape.pipeline,
+        data=shape.data,
+        micro_batch_size=shape.mbs,
+        schedule=schedule,
+        recompute=recompute,
+        kind="memory",
+        reason=f"out of memory: stage {worst} needs {bound}{format_bytes(need)} > {format_bytes(limit)}",
+        memory_bytes=need,
+        memory_at_least=at_least,
     )
 
 
@@ -429,84 +426,9 @@ def _evaluate(
     boundaries: tuple[int, ...] | None = None,
     split_backward: bool = True,
 ) -> Candidate:
-    segs = table.segments
-    num_microbatches = global_batch_size // (data * mbs)
     if schedule_spec(schedule).chunks_per_rank > 1:  # P x V virtual stages (varuna.planner.chunked)
-        priced = price_chunked(
+        return chunked_candidate(
             table, pipeline, data, mbs, schedule, recompute, global_batch_size, boundaries, split_backward
         )
-        return Candidate(
-            pipeline=pipeline,
-            data=data,
-            micro_batch_size=mbs,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            recompute=recompute,
-            boundaries=priced.boundaries,
-            predicted_step_s=priced.timeline.step_s,
-            samples_per_s=global_batch_size / priced.timeline.step_s,
-            bubble_fraction=priced.timeline.bubble_fraction,
-            memory_per_stage_bytes=priced.memory_per_rank,
-            timeline=priced.timeline,
-        )
-    if boundaries is None:
-        boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
-    stages = _stage_ranges(boundaries, len(segs))
-    extra = table.action_overhead_s if pipeline > 1 else 0.0  # one stage: exactly the profiled pass
-    costs = [
-        StageCost(
-            forward_s=sum(segs[j].forward_s[mbs] for j in r) + extra,
-            backward_s=sum(segs[j].backward_s[mbs] for j in r) + extra,
-            recompute_s=sum(segs[j].recompute_at(mbs) for j in r) + extra,
-        )
-        for r in stages
-    ]
-    net = table.network
-    world = pipeline * data
-    comm = [net.p2p_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]]
-    reduce = [net.allreduce_time(sum(segs[j].grad_bytes for j in r), data, world=world) for r in stages]
-    update = [sum(segs[j].update_s for j in r) for r in stages]
-    if pipeline > 1 and table.tied_bytes:
-        tied = net.allreduce_time(table.tied_bytes, 2 * data, world=world)
-        reduce[0] += tied
-        reduce[-1] += tied
-        # the last stage updates its own copy of the tied weights, at segment 0's cost per byte
-        update[-1] += segs[0].update_s * table.tied_bytes / max(segs[0].param_bytes, 1)
-    timeline = simulate(
-        schedule,
-        pipeline,
-        num_microbatches,
-        costs,
-        comm=comm,
-        allreduce_s=reduce,
-        final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, world, world=world),
-        update_s=update,
-        sharing=Sharing(
-            replicas=data,
-            slowdown=table.compute_slowdown,
-            delivery=net.delivery_s,
-            message_cpu_s=[net.message_cpu_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]],
-        )
-        if table.compute_slowdown or net.delivery_s
-        else None,
-        message_s=net.message_s,
-        sees_arrivals=net.reports_arrival,
-        recompute=recompute,
-        split_backward=split_backward,
-    )
-    return Candidate(
-        pipeline=pipeline,
-        data=data,
-        micro_batch_size=mbs,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        recompute=recompute,
-        boundaries=boundaries,
-        predicted_step_s=timeline.step_s,
-        samples_per_s=global_batch_size / timeline.step_s if timeline.step_s > 0 else float("inf"),
-        bubble_fraction=timeline.bubble_fraction,
-        memory_per_stage_bytes=_memory(
-            table, stages, mbs, recompute, timeline.peak_inflight, split_backward and pipeline > 1
-        ),
-        timeline=timeline,
-    )
+    shape = _Shape(table, pipeline, data, mbs, boundaries=boundaries)
+    return shape.evaluate(schedule, recompute, global_batch_size, split_backward)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from varuna.errors import ScheduleError
+from varuna.planner.fast import StageQueue, run_in_order
 from varuna.planner.sharing import Sharing, _Delays, _shared_updates, _stretch_all
 from varuna.schedule import (
     WEIGHT_KIND,
@@ -223,11 +224,14 @@ def simulate_lowered(
     opportunistic: bool = False,
     name: str = "custom",
     num_microbatches: int | None = None,
+    in_order: bool = True,
 ) -> Timeline:
     """Time any lowered schedule (as `varuna.schedule.lower` makes); see `simulate`. With several
     chunks per rank, `stage_costs` and `comm` are per virtual stage and boundary (a boundary between
     two chunks of one rank costs what the caller says: nothing is moved there), the all-reduce and
-    update per rank."""
+    update per rank. Without pull-ahead or shared cores it runs stage by stage
+    (`varuna.planner.fast.run_in_order`, the same times); `in_order=False` always simulates event by
+    event (the reference)."""
     num_stages = len(schedule)
     virtual = last_stage(schedule) + 1
     if len(stage_costs) != virtual:
@@ -261,6 +265,12 @@ def simulate_lowered(
         messages = {k: v for k, v in messages.items() if not k.startswith("DELAY")}
         delay = _Delays(sharing, None)
     previous_delays: list[float] | None = None
+    chunked = virtual != num_stages or any(
+        a.stage != s for s, actions in schedule.items() for a in actions if a.microbatch is not None
+    )  # several chunks per rank: the event simulation (run_in_order is one stage per rank)
+    if in_order and not opportunistic and not shared and delay is None and not chunked:  # by stage
+        spans = run_in_order(schedule, stage_costs, comm_s, reduce_s, messages)
+        return _timeline(schedule, spans, name, num_microbatches, final_allreduce_s, updates)
     for _ in range(_MAX_PASSES if shared else 1):
         sim = _Simulation(
             schedule, stage_costs, comm_s, reduce_s, opportunistic, durations, messages, sees_arrivals, delay
@@ -291,22 +301,34 @@ def simulate_lowered(
             step = max(step / 2, 0.125)
         durations = {k: durations.get(k, d) + step * (d - durations.get(k, d)) for k, d in stretched.items()}
     update_end = _shared_updates(updates, sharing) if shared and sharing is not None else updates
-    ends = [spans[-1].end if spans else 0.0 for spans in sim.spans]
+    return _timeline(schedule, sim.spans, name, num_microbatches, final_allreduce_s, update_end)
+
+
+def _timeline(
+    schedule: Schedule,
+    spans_of: list[list[Span]],
+    name: str,
+    num_microbatches: int | None,
+    final_allreduce_s: float,
+    update_end: list[float],
+) -> Timeline:
+    num_stages = len(schedule)
+    ends = [spans[-1].end if spans else 0.0 for spans in spans_of]
     step = max(ends, default=0.0) + final_allreduce_s + max(update_end, default=0.0)
-    busy = [sum(sp.end - sp.start for sp in spans if sp.kind in WORK_KINDS) for spans in sim.spans]
-    reduce = [sum(sp.end - sp.start for sp in spans if sp.kind == "ALLREDUCE") for spans in sim.spans]
+    busy = [sum(sp.end - sp.start for sp in spans if sp.kind in WORK_KINDS) for spans in spans_of]
+    reduce = [sum(sp.end - sp.start for sp in spans if sp.kind == "ALLREDUCE") for spans in spans_of]
     if num_microbatches is None:
         num_microbatches = sum(1 for a in schedule[0] if a.kind == "F")
     return Timeline(
         schedule=name,
         num_microbatches=num_microbatches,
-        spans=sim.spans,
+        spans=spans_of,
         step_s=step,
         busy_s=busy,
         allreduce_s=reduce,
         idle_s=[step - b - r for b, r in zip(busy, reduce)],
         bubble_fraction=1.0 - sum(busy) / (num_stages * step) if step > 0 else 0.0,
-        peak_inflight=[_peak_inflight(spans) for spans in sim.spans],
+        peak_inflight=[_peak_inflight(spans) for spans in spans_of],
         update_s=update_end,
     )
 
@@ -345,7 +367,7 @@ class _Simulation:
         self.messages = messages or {}
         self.delay = delay
         self.sees_arrivals = sees_arrivals
-        self.queues = [list(schedule[s]) for s in range(len(schedule))]
+        self.queues = [StageQueue(schedule[s]) for s in range(len(schedule))]
         self.costs = costs
         self.durations = durations or {}
         self.comm = comm
@@ -384,7 +406,7 @@ class _Simulation:
                 return
             if not progressed:
                 if not undecided:
-                    waiting = "; ".join(f"stage {s} at {q[0]}" for s, q in enumerate(self.queues) if q)
+                    waiting = "; ".join(f"stage {s} at {q.first()}" for s, q in enumerate(self.queues) if q)
                     raise ScheduleError(
                         f"simulation deadlocked: {waiting}; check the schedule with validate()"
                     )
@@ -399,23 +421,26 @@ class _Simulation:
         sender, boundary = (s - 1, s - 1) if kind == "F" else (s + 1, s)
         return "no" if self.clock[self.rank[sender]] + self.comm[boundary] > t else "unknown"
 
-    def _next_forward(self, s: int, t: float) -> tuple[str, list[Action]]:
-        """The runtime's `_forward_ready`: the next forward group and whether its input is here."""
+    def _next_forward(self, s: int, t: float) -> tuple[str, list[int]]:
+        """The runtime's `_forward_ready`: the next forward group (indices into the stage's
+        queue) and whether its input is here."""
         queue = self.queues[s]
-        for i, a in enumerate(queue):
-            if a.kind == "F":
-                group = [a]
-                if i > 0 and queue[i - 1].kind == "RECV_F":
-                    group.insert(0, queue[i - 1])
-                if i + 1 < len(queue) and queue[i + 1].kind == "SEND_F":
-                    group.append(queue[i + 1])
-                ready = "yes" if a.stage == 0 else self._state("F", a.stage, a.microbatch or 0, t)
-                return ready, group
-        return "no", []
+        i = queue.next_forward()
+        if i is None:
+            return "no", []
+        group = [i]
+        prev, after = queue.before(i), queue.after(i)
+        if prev is not None and queue.actions[prev].kind == "RECV_F":
+            group.insert(0, prev)
+        if after is not None and queue.actions[after].kind == "SEND_F":
+            group.append(after)
+        first = queue.actions[i]
+        ready = "yes" if first.stage == 0 else self._state("F", first.stage, first.microbatch or 0, t)
+        return ready, group
 
     def _step(self, s: int, *, force: bool) -> str:
         """Run stage s's next action (or pulled-ahead group): "done", "blocked" or "undecided"."""
-        head, t = self.queues[s][0], self.clock[s]
+        head, t = self.queues[s].first(), self.clock[s]
         if self.opportunistic and head.kind == "RECV_B" and s not in self.committed:
             grad = self._state("B", head.stage, head.microbatch or 0, t) if self.sees_arrivals else "no"
             if grad != "yes":
@@ -427,9 +452,8 @@ class _Simulation:
                 if ahead == "unknown" or (grad == "unknown" and ahead == "yes"):
                     return "undecided"
                 if ahead == "yes":
-                    for a in group:
-                        self.queues[s].remove(a)
-                        self._execute(s, a)
+                    for i in group:
+                        self._execute(s, self.queues[s].take(i))
                     return "done"
                 self.committed.add(s)
         if (
@@ -438,7 +462,7 @@ class _Simulation:
         ):
             return "blocked"
         self.committed.discard(s)
-        self._execute(s, self.queues[s].pop(0))
+        self._execute(s, self.queues[s].take(self.queues[s].head))
         return "done"
 
     def _execute(self, s: int, a: Action) -> None:
@@ -465,5 +489,5 @@ class _Simulation:
                 extra = self.messages.get("DELAY" + a.kind[-2:], 0.0)
             self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + extra
         stage = v if self.chunked and a.kind != "ALLREDUCE" else None
-        self.spans[s].append(Span(a.kind, a.microbatch, t, end, stage))
+        self.spans[s].append(tuple.__new__(Span, (a.kind, a.microbatch, t, end, stage)))  # a Span, quicker
         self.clock[s] = end

@@ -1,0 +1,174 @@
+"""Many hosts: which transfers and all-reduces cross the network between hosts, and what they cost.
+
+The profile measures one host: its point-to-point link and all-reduces are intra-host. `Cluster`
+says how many GPUs each host has and what the network between hosts does; `Links` gives the
+planner every transfer time of one P x D shape on it. Ranks sit as the launcher places them:
+rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks each).
+
+- Point-to-point between stages s and s+1: intra-host as profiled, unless some replica has those
+  two stages on different hosts; then `inter_latency_s` + bytes / `inter_bandwidth_Bps` (the
+  slowest replica sets the step, so the boundary is charged as its slowest crossing).
+- All-reduce of a group (a stage's D replicas, the tied weights' 2D ranks, the per-step one over
+  everyone): within one host the profile's measurement (`NetworkCost.allreduce_time`). Across H
+  hosts with at most k of its ranks on one host, a ring: 2(n-1)/n x bytes over the slowest link
+  of the ring plus one latency per step of a hierarchical ring, 2(k-1) intra + 2(H-1) inter. Every
+  group whose ring leaves a host shares that host's network: with g GPUs busy on a host and k of
+  them in each group, g/k rings share `inter_bandwidth_Bps`, so a ring gets k/g of it (capped by
+  the intra-host bandwidth).
+- Shared cores (a CPU profile's `compute_slowdown`): only the replicas on one host share its cores
+  (G / P of them, at most D), not all D.
+
+The cluster comes from `varuna plan`'s flags, else from the profile's network section
+(`NetworkCost.gpus_per_host`, `inter_host_latency_s`, `inter_host_bandwidth_Bps`: add them to
+profile.json by hand, the profile measures one host). Defaults (`varuna plan --gpus-per-host 8` alone): 100 Gbit/s Ethernet between hosts
+(12.5e9 bytes/s per host) with 20 us latency, the commodity network Varuna was built for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from varuna.errors import PlanError
+from varuna.planner.network import NetworkCost
+
+__all__ = ["Cluster", "Links", "INTER_BANDWIDTH_BPS", "INTER_LATENCY_S"]
+
+INTER_BANDWIDTH_BPS = 12.5e9
+"""Default bytes per second of one host's network (100 Gbit/s)."""
+INTER_LATENCY_S = 20e-6
+"""Default seconds of a minimal message between hosts."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Hosts of `gpus_per_host` GPUs each and the network between them."""
+
+    gpus_per_host: int
+    """GPUs (ranks) per host, filled in rank order."""
+    inter_bandwidth_Bps: float = INTER_BANDWIDTH_BPS
+    """Bytes per second one host sends (and receives) to other hosts, shared by its GPUs."""
+    inter_latency_s: float = INTER_LATENCY_S
+    """Seconds of a minimal message between two hosts."""
+    intra_bandwidth_Bps: float | None = None
+    """Bytes per second between two GPUs of a host; None: the profile's point-to-point bandwidth."""
+    intra_latency_s: float | None = None
+    """Seconds of a minimal message within a host; None: the profile's point-to-point latency."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 1:
+            raise PlanError(
+                f"gpus_per_host = {self.gpus_per_host!r}: give the number of GPUs on each host, at least 1 "
+                "(e.g. --gpus-per-host 8)"
+            )
+        for name in ("inter_bandwidth_Bps", "intra_bandwidth_Bps"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise PlanError(
+                    f"{name} = {value!r}: give bytes per second > 0, e.g. 12.5e9 for 100 Gbit/s "
+                    "(varuna plan: --inter-host-gbit / --intra-host-gbit in Gbit/s)"
+                )
+        for name in ("inter_latency_s", "intra_latency_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise PlanError(
+                    f"{name} = {value!r}: give seconds >= 0, e.g. 2e-5 "
+                    "(varuna plan: --inter-host-latency-us / --intra-host-latency-us in microseconds)"
+                )
+
+    @classmethod
+    def from_network(cls, net: NetworkCost, **given: float | int | None) -> Cluster | None:
+        """The cluster of a profile's network (`NetworkCost.gpus_per_host` and the inter-host
+        fields), with `given` (the same names as the fields; None: not given) taking precedence;
+        None when neither says how many GPUs a host has."""
+        gpus_per_host = given.get("gpus_per_host")
+        chosen = {k: v for k, v in given.items() if v is not None and k != "gpus_per_host"}
+        if gpus_per_host is None:
+            gpus_per_host = net.gpus_per_host
+            if not gpus_per_host:
+                if chosen:
+                    raise PlanError(
+                        f"{', '.join(sorted(chosen))} given, but not how many GPUs a host has: pass "
+                        "--gpus-per-host G (or set gpus_per_host in the profile's network section)"
+                    )
+                return None
+        if net.inter_host_bandwidth_Bps:
+            chosen.setdefault("inter_bandwidth_Bps", net.inter_host_bandwidth_Bps)
+        if net.inter_host_latency_s:
+            chosen.setdefault("inter_latency_s", net.inter_host_latency_s)
+        return cls(gpus_per_host=gpus_per_host, **chosen)  # type: ignore[arg-type]
+
+    def hosts(self, gpus: int) -> int:
+        """Hosts that `gpus` ranks fill."""
+        return -(-gpus // self.gpus_per_host)
+
+
+class Links:
+    """Transfer and all-reduce seconds of one P x D shape (see the module docstring); without a
+    cluster, or with every rank on one host, exactly the profile's `NetworkCost` calls."""
+
+    def __init__(self, net: NetworkCost, cluster: Cluster | None, pipeline: int, data: int) -> None:
+        self.net, self.pipeline, self.data = net, pipeline, data
+        self.world = pipeline * data
+        one_host = cluster is None or cluster.gpus_per_host >= self.world
+        self.cluster = None if one_host else cluster
+        if self.cluster is not None:
+            self.intra_bw = self.cluster.intra_bandwidth_Bps or net.p2p_bandwidth_Bps
+            self.intra_lat = (
+                net.p2p_latency_s if self.cluster.intra_latency_s is None else self.cluster.intra_latency_s
+            )
+
+    def _host(self, rank: int) -> int:
+        assert self.cluster is not None
+        return rank // self.cluster.gpus_per_host
+
+    def crosses(self, boundary: int) -> bool:
+        """Whether some replica has stages `boundary` and `boundary` + 1 on different hosts."""
+        if self.cluster is None:
+            return False
+        p = self.pipeline
+        return any(self._host(r * p + boundary) != self._host(r * p + boundary + 1) for r in range(self.data))
+
+    def p2p(self, boundary: int, nbytes: int) -> float:
+        """Seconds to move `nbytes` across stage boundary `boundary`."""
+        if not self.crosses(boundary):
+            return self.net.p2p_time(nbytes)
+        assert self.cluster is not None
+        return self.cluster.inter_latency_s + nbytes / self.cluster.inter_bandwidth_Bps
+
+    def allreduce(self, nbytes: int, ranks: list[int]) -> float:
+        """Seconds of an all-reduce of `nbytes` over `ranks` (all such groups reducing at once)."""
+        n = len(ranks)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        per_host: dict[int, int] = {}
+        for r in ranks:
+            h = self._host(r) if self.cluster is not None else 0
+            per_host[h] = per_host.get(h, 0) + 1
+        if len(per_host) == 1:
+            return self.net.allreduce_time(nbytes, n, world=self.world)
+        assert self.cluster is not None
+        hosts, k = len(per_host), max(per_host.values())
+        busy = min(self.cluster.gpus_per_host, self.world)
+        ring_bw = min(self.intra_bw, self.cluster.inter_bandwidth_Bps * k / busy)
+        latency = 2 * (k - 1) * self.intra_lat + 2 * (hosts - 1) * self.cluster.inter_latency_s
+        return 2.0 * (n - 1) / n * nbytes / ring_bw + latency
+
+    def stage_allreduce(self, stage: int, nbytes: int) -> float:
+        """A stage's gradient all-reduce over its D replicas."""
+        if self.cluster is None:
+            return self.net.allreduce_time(nbytes, self.data, world=self.world)
+        return self.allreduce(nbytes, [r * self.pipeline + stage for r in range(self.data)])
+
+    def tied_allreduce(self, nbytes: int) -> float:
+        """The tied weights' sum between the first and the last stage of every replica (2D ranks)."""
+        if self.cluster is None:
+            return self.net.allreduce_time(nbytes, 2 * self.data, world=self.world)
+        p = self.pipeline
+        return self.allreduce(nbytes, [r * p + s for r in range(self.data) for s in (0, p - 1)])
+
+    def step_allreduce(self, nbytes: int) -> float:
+        """The small per-step all-reduce over every rank."""
+        if self.cluster is None:
+            return self.net.allreduce_time(nbytes, self.world, world=self.world)
+        return self.allreduce(nbytes, list(range(self.world)))
