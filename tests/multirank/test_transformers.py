@@ -26,7 +26,17 @@ from _helpers import REPO as ROOT
 from _helpers import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
-from hf_common import CONFIGS, MODELS, MORE_MODELS, SHAPES, STEPS, build, reference, schedule_for  # noqa: E402
+from hf_common import (  # noqa: E402
+    CHUNK_RUNS,
+    CONFIGS,
+    MODELS,
+    MORE_MODELS,
+    SHAPES,
+    STEPS,
+    build,
+    reference,
+    schedule_for,
+)
 
 pytestmark = pytest.mark.multirank
 TIMEOUT = 420
@@ -137,10 +147,17 @@ def test_more_families_equal_plain_training_at_2x1(jobs: dict[str, object], kind
     _assert_equal_to(_ranks(jobs["out"] / f"{kind}-2x1"), *reference(kind))  # type: ignore[operator]
 
 
+@pytest.mark.parametrize(("kind", "schedule"), CHUNK_RUNS, ids=[f"{k}-{s}" for k, s in CHUNK_RUNS])
+def test_two_chunks_per_rank_equal_plain_training(jobs: dict[str, object], references: dict, kind: str,
+                                                  schedule: str) -> None:  # fmt: skip
+    """interleaved-1f1b / zb-v on a model cut by auto_cut: 4 virtual stages on 2 ranks."""
+    _assert_equal_to(_ranks(jobs["out"] / f"{kind}-2x1-{schedule}"), *references[kind])  # type: ignore[operator]
+
+
 def test_every_schedule_runs_and_every_model_runs_three() -> None:
     from hf_common import SCHEDULES
 
-    assert set(SCHEDULES) == set(varuna.schedule.SCHEDULES)
+    assert set(SCHEDULES) | {s for _, s in CHUNK_RUNS} == set(varuna.schedule.SCHEDULES)
     assert {schedule_for(kind, s) for kind in MODELS for s in SHAPES} == set(SCHEDULES)
     for kind in MODELS:
         assert len({schedule_for(kind, s) for s in SHAPES}) == 3

@@ -125,6 +125,8 @@ def reference(
 
 
 SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1")
+# Two chunks per rank (4 virtual stages from the 4 blocks), each model once at 2x1.
+CHUNK_RUNS = (("gpt2", "zb-v"), ("bert", "interleaved-1f1b"), ("llama", "zb-v"))
 # world size -> the P x D shapes its job trains; model i at shape j uses schedule (i + j) % 3, so
 # every model runs every schedule once.
 CONFIGS: dict[int, list[tuple[int, int]]] = {2: [(2, 1)], 4: [(2, 2), (4, 1)]}

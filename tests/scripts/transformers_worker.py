@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_common import (  # noqa: E402
+    CHUNK_RUNS,
     CONFIGS,
     GLOBAL_BATCH,
     MICRO_BATCH,
@@ -71,6 +72,8 @@ for P, D in CONFIGS[world]:
         train(f"{kind}-{P}x{D}", build(kind), kind, P, D, schedule_for(kind, (P, D)))
 
 if world == 2:
+    for kind, schedule in CHUNK_RUNS:
+        train(f"{kind}-2x1-{schedule}", build(kind), kind, 2, 1, schedule)
     for kind in MORE_MODELS:
         train(f"{kind}-2x1", build(kind), kind, 2, 1, "1f1b")
     for schedule in ("1f1b", "varuna"):

@@ -24,18 +24,36 @@ __all__ = ["guard_chunks", "ChunkGuard"]
 
 
 class ChunkGuard:
-    """A module's forward that is skipped (stand-ins) while `before_start()` says so."""
+    """A module's forward that is skipped (stand-ins) while `before_start()` says so.
+
+    A skipped call whose input shapes the start-up trace did not see infers the output's shape on
+    the meta device, as `SkippedForward` does; this module's parameters are real (its chunk runs
+    here), so that inference runs it with meta copies of them (`torch.func.functional_call`)."""
 
     def __init__(
         self, module: nn.Module, name: str, device: torch.device, traced: dict[Any, Any] | None,
         before_start: Callable[[], bool],
     ) -> None:  # fmt: skip
         self.run: Callable[..., Any] = module.forward
+        self.module = module
         self.skip = SkippedForward(module, name, device, traced)
+        self.skip.forward = self._on_meta
         self.before_start = before_start
+        self._inferring = False
+
+    def _on_meta(self, *args: Any, **kwargs: Any) -> Any:
+        state = {
+            n: torch.empty_like(t, device="meta")
+            for n, t in (*self.module.named_parameters(), *self.module.named_buffers())
+        }
+        self._inferring = True
+        try:
+            return torch.func.functional_call(self.module, state, args, kwargs)
+        finally:
+            self._inferring = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.before_start():
+        if self.before_start() and not self._inferring:
             return self.skip(*args, **kwargs)
         return self.run(*args, **kwargs)
 
