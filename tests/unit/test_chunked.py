@@ -107,3 +107,27 @@ def test_resize_keeps_a_shape_the_chunked_schedule_runs() -> None:
     assert choose_shape(2, small | {"schedule": "1f1b"}) == Shape(2, 1)
     with pytest.raises(ConfigError, match=r"at most 8 stages \(2 chunks per rank for interleaved-1f1b\)"):
         choose_shape(2, small | {"schedule": "interleaved-1f1b"})  # M = 3 is no whole round of P = 2
+
+
+def test_chunks_are_balanced_per_rank() -> None:
+    """Two chunks per rank: the boundaries balance the ranks' loads, not only the stages'."""
+    import random
+
+    from varuna.cut.partition import balance, balance_ranks
+
+    def rank_loads(costs: list[float], bounds: tuple[int, ...], owners: list[int]) -> list[float]:
+        edges = (0, *(b + 1 for b in bounds), len(costs))
+        loads = [0.0] * (max(owners) + 1)
+        for v, owner in enumerate(owners):
+            loads[owner] += sum(costs[edges[v] : edges[v + 1]])
+        return loads
+
+    v_shape, loop = [0, 1, 1, 0], [0, 1, 0, 1]
+    assert balance([1, 3, 1, 1, 1, 1], 4) == (0, 1, 3)  # stages balanced: rank loads 3 and 5
+    assert rank_loads([1, 3, 1, 1, 1, 1], balance_ranks([1, 3, 1, 1, 1, 1], v_shape), v_shape) == [4, 4]
+    rng = random.Random(3)
+    for _ in range(200):
+        costs = [float(rng.randint(1, 5)) for _ in range(rng.randint(4, 9))]
+        for owners in (v_shape, loop):
+            best = max(rank_loads(costs, balance_ranks(costs, owners), owners))
+            assert best <= max(rank_loads(costs, balance(costs, 4), owners))

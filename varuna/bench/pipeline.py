@@ -1,6 +1,6 @@
 """`varuna bench pipeline`: Varuna's schedules against torch.distributed.pipelining and one process.
 
-    python -m varuna.bench pipeline --json          # ~4 min on 2 cores; one JSON object on stdout
+    python -m varuna.bench pipeline --json          # ~7 min on 2 cores; one JSON object on stdout
     python -m varuna.bench pipeline --quick         # tiny model, a few steps: a smoke run
 
 Every system trains the same GPT (same seed, same initial weights) on the same global batches,
@@ -135,7 +135,8 @@ def full() -> PipelineBench:
     """`gpt_bench()` (8 blocks, d_model 256, seq 128, vocab 4096), batch 32 in 8 micro-batches, P = 2 and 4."""
     from varuna.models import gpt_bench
 
-    return PipelineBench(model=asdict(gpt_bench()))
+    # 6 schedules x 3 systems at P = 2 and 5 x 2 at P = 4 in about 7 minutes on 2 cores
+    return PipelineBench(model=asdict(gpt_bench()), paired_steps=8, steps=3)
 
 
 def quick() -> PipelineBench:

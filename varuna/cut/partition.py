@@ -20,6 +20,8 @@ gradients are summed; `shared_weights` names further groups of parameters that a
 from __future__ import annotations
 
 import difflib
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -34,7 +36,16 @@ from torch.utils._pytree import tree_leaves, tree_map
 from varuna.cut.cutpoint import CutPoint, _handling, model_loss
 from varuna.errors import ConfigError, PartitionError
 
-__all__ = ["Trace", "Partition", "TiedGroup", "trace_model", "profile_segments", "make_partition", "balance"]
+__all__ = [
+    "Trace",
+    "Partition",
+    "TiedGroup",
+    "trace_model",
+    "profile_segments",
+    "make_partition",
+    "balance",
+    "balance_ranks",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -283,6 +294,40 @@ def balance(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
         i = choice[p][i]
         cuts.append(i - 1)  # stage p-1 starts at segment i, so it receives cut i-1
     return tuple(reversed(cuts))
+
+
+def balance_ranks(costs: Sequence[float], owners: Sequence[int], *, limit: int = 300_000) -> tuple[int, ...]:
+    """Boundaries for `len(owners)` contiguous stages where stage v runs on rank `owners[v]` (several
+    chunks per rank): minimise the busiest rank's load, then the largest stage, then the spread.
+
+    Balancing the stages alone can leave a rank with two large chunks against one with two small
+    ones (zb-v puts the first and the last chunk together). Exhaustive over the boundary choices
+    when they number at most `limit`, else the stages are balanced (`balance`).
+
+    >>> balance_ranks([1, 3, 1, 1, 1, 1], [0, 1, 1, 0])  # balance() gives (0, 1, 3): rank loads 3 and 5
+    (0, 1, 2)
+    """
+    n, k = len(costs), len(owners)
+    if not 1 <= k <= n:
+        raise PartitionError(f"cannot split {n} segments into {k} stages")
+    if math.comb(n - 1, k - 1) > limit:
+        return balance(costs, k)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    ranks = max(owners) + 1
+    best: tuple[float, float, float] | None = None
+    chosen: tuple[int, ...] = ()
+    for starts in itertools.combinations(range(1, n), k - 1):
+        edges = (0, *starts, n)
+        parts = [prefix[edges[v + 1]] - prefix[edges[v]] for v in range(k)]
+        load = [0.0] * ranks
+        for v, part in enumerate(parts):
+            load[owners[v]] += part
+        value = (max(load), max(parts), sum(x * x for x in parts))
+        if best is None or value < best:
+            best, chosen = value, tuple(b - 1 for b in starts)
+    return chosen
 
 
 def _check_boundaries(boundaries: Sequence[int], num_stages: int, num_cuts: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -31,6 +31,7 @@ from varuna.cut.cutpoint import CONTAINERS, CutPoint
 from varuna.cut.partition import (
     Partition,
     Trace,
+    balance_ranks,
     canonical_names,
     make_partition,
     profile_segments,
@@ -63,9 +64,11 @@ def partition(
     world_size: int,
     autocast: Callable[[], AbstractContextManager[object]],
     num_stages: int | None = None,
+    owners: Sequence[int] | None = None,
 ) -> Partition:
     """The stages `config.engine.partition` asks for: given boundaries, or balanced by measured costs;
-    `num_stages`: the virtual stages (P x chunks per rank; default P)."""
+    `num_stages`: the virtual stages (P x chunks per rank; default P), `owners` the rank of each
+    (then the ranks' loads are balanced: `balance_ranks`)."""
     num_stages = config.engine.pipeline if num_stages is None else num_stages
     boundaries = None if isinstance(config.engine.partition, str) else list(config.engine.partition)
     costs = None
@@ -74,6 +77,8 @@ def partition(
         costs = _segment_costs(
             model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
         )
+        if owners is not None and len(owners) > config.engine.pipeline:  # several chunks per rank
+            boundaries = list(balance_ranks(costs, owners))
     return make_partition(
         trace,
         num_stages,

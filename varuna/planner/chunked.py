@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from varuna.cut.partition import balance
+from varuna.cut.partition import balance_ranks
 from varuna.planner.costs import CostTable
 from varuna.planner.result import Candidate
 from varuna.planner.sharing import Sharing
@@ -56,8 +56,9 @@ def price_chunked(
     spec = schedule_spec(schedule)
     segs = table.segments
     virtual = pipeline * spec.chunks_per_rank
-    if boundaries is None:
-        boundaries = tuple(balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], virtual))
+    if boundaries is None:  # the engine's choice: the ranks' loads balanced
+        owners = [spec.rank_of(v, pipeline) for v in range(virtual)]
+        boundaries = balance_ranks([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], owners)
     edges = [-1, *boundaries, len(segs) - 1]
     stages = [range(edges[v] + 1, edges[v + 1] + 1) for v in range(virtual)]
     rank = [spec.rank_of(v, pipeline) for v in range(virtual)]
