@@ -296,35 +296,45 @@ def balance(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
     return tuple(reversed(cuts))
 
 
-def balance_ranks(costs: Sequence[float], owners: Sequence[int], *, limit: int = 300_000) -> tuple[int, ...]:
+def balance_ranks(
+    costs: Sequence[float], owners: Sequence[int], *, slack: float = 1.05, limit: int = 300_000
+) -> tuple[int, ...]:
     """Boundaries for `len(owners)` contiguous stages where stage v runs on rank `owners[v]` (several
-    chunks per rank): minimise the busiest rank's load, then the largest stage, then the spread.
+    chunks per rank): among the splits whose largest stage is within `slack` of the smallest
+    possible (`balance`'s), the one whose busiest rank has the least load, then the evenest.
 
     Balancing the stages alone can leave a rank with two large chunks against one with two small
-    ones (zb-v puts the first and the last chunk together). Exhaustive over the boundary choices
-    when they number at most `limit`, else the stages are balanced (`balance`).
+    ones (zb-v puts the first and the last chunk together); balancing only the ranks can make one
+    chunk tiny and its neighbour huge, which stalls the pipeline. Exhaustive over the boundary
+    choices when they number at most `limit`, else `balance`'s.
 
-    >>> balance_ranks([1, 3, 1, 1, 1, 1], [0, 1, 1, 0])  # balance() gives (0, 1, 3): rank loads 3 and 5
+    >>> balance_ranks([1, 3, 1, 1, 1, 1], [0, 1, 1, 0], slack=1.5)  # balance(): rank loads 3 and 5
     (0, 1, 2)
     """
     n, k = len(costs), len(owners)
-    if not 1 <= k <= n:
-        raise PartitionError(f"cannot split {n} segments into {k} stages")
+    plain = balance(costs, k)
     if math.comb(n - 1, k - 1) > limit:
-        return balance(costs, k)
+        return plain
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+
+    def parts(bounds: Sequence[int]) -> list[float]:
+        edges = (0, *(b + 1 for b in bounds), n)
+        return [prefix[edges[v + 1]] - prefix[edges[v]] for v in range(k)]
+
+    cap = max(parts(plain)) * slack + 1e-12
     ranks = max(owners) + 1
     best: tuple[float, float, float] | None = None
-    chosen: tuple[int, ...] = ()
+    chosen = plain
     for starts in itertools.combinations(range(1, n), k - 1):
-        edges = (0, *starts, n)
-        parts = [prefix[edges[v + 1]] - prefix[edges[v]] for v in range(k)]
+        sizes = parts([b - 1 for b in starts])
+        if max(sizes) > cap:
+            continue
         load = [0.0] * ranks
-        for v, part in enumerate(parts):
-            load[owners[v]] += part
-        value = (max(load), max(parts), sum(x * x for x in parts))
+        for v, size in enumerate(sizes):
+            load[owners[v]] += size
+        value = (max(load), max(sizes), sum(x * x for x in sizes))
         if best is None or value < best:
             best, chosen = value, tuple(b - 1 for b in starts)
     return chosen
