@@ -3,26 +3,16 @@ P x V virtual stages, simulated by rank, with memory and reductions summed over 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from varuna.cut.partition import balance_ranks
 from varuna.planner.costs import CostTable
 from varuna.planner.result import Candidate
 from varuna.planner.sharing import Sharing
-from varuna.planner.simulator import StageCost, Timeline, simulate
+from varuna.planner.simulator import StageCost, simulate
 from varuna.schedule import ScheduleName, schedule_spec
 
-__all__ = ["ChunkedPrice", "price_chunked", "chunked_misfit", "chunked_candidate"]
+__all__ = ["chunked_misfit", "chunked_candidate"]
 
 _STEP_ALLREDUCE_BYTES = 64
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkedPrice:
-    timeline: Timeline
-    boundaries: tuple[int, ...]
-    """The P x V - 1 CutPoint indices ending the virtual stages."""
-    memory_per_rank: list[int]
 
 
 def chunked_misfit(table: CostTable, schedule: ScheduleName, pipeline: int, microbatches: int) -> str | None:
@@ -41,7 +31,7 @@ def chunked_misfit(table: CostTable, schedule: ScheduleName, pipeline: int, micr
     return None
 
 
-def price_chunked(
+def chunked_candidate(
     table: CostTable,
     pipeline: int,
     data: int,
@@ -51,8 +41,9 @@ def price_chunked(
     global_batch_size: int,
     boundaries: tuple[int, ...] | None = None,
     split_backward: bool = True,
-) -> ChunkedPrice:
-    """Simulate one step of a multi-chunk schedule from the profile (see the module docstring)."""
+) -> Candidate:
+    """The planner's candidate for a multi-chunk schedule: one step simulated from the profile (see
+    the module docstring)."""
     spec = schedule_spec(schedule)
     segs = table.segments
     virtual = pipeline * spec.chunks_per_rank
@@ -124,25 +115,7 @@ def price_chunked(
         total = sum(s.param_bytes for s in segs)
         per_param = sum(s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in segs) / max(total, 1)
         memory[last] += int(table.tied_bytes * per_param)
-    return ChunkedPrice(timeline=timeline, boundaries=boundaries, memory_per_rank=memory)
-
-
-def chunked_candidate(
-    table: CostTable,
-    pipeline: int,
-    data: int,
-    mbs: int,
-    schedule: ScheduleName,
-    recompute: bool,
-    global_batch_size: int,
-    boundaries: tuple[int, ...] | None = None,
-    split_backward: bool = True,
-) -> Candidate:
-    """The planner's candidate for a multi-chunk schedule (`price_chunked`)."""
-    priced = price_chunked(
-        table, pipeline, data, mbs, schedule, recompute, global_batch_size, boundaries, split_backward
-    )
-    step = priced.timeline.step_s
+    step = timeline.step_s
     return Candidate(
         pipeline=pipeline,
         data=data,
@@ -150,10 +123,10 @@ def chunked_candidate(
         num_microbatches=global_batch_size // (data * mbs),
         schedule=schedule,
         recompute=recompute,
-        boundaries=priced.boundaries,
+        boundaries=boundaries,
         predicted_step_s=step,
         samples_per_s=global_batch_size / step if step > 0 else float("inf"),
-        bubble_fraction=priced.timeline.bubble_fraction,
-        memory_per_stage_bytes=priced.memory_per_rank,
-        timeline=priced.timeline,
+        bubble_fraction=timeline.bubble_fraction,
+        memory_per_stage_bytes=memory,
+        timeline=timeline,
     )
