@@ -253,3 +253,11 @@ def test_plot_view_ships_the_installed_plotly_js() -> None:
     assert "Plotly.react" in view._esm  # static/plot.js, read by anywidget
     view.update(layout={"title": {"text": "t"}})
     assert view.layout == {"height": 100, "title": {"text": "t"}} and view.data[0]["x"] == [1]
+
+
+def test_theoretical_bubble_uses_schedule_registry():
+    from varuna.schedule import bubble_fraction
+
+    assert figures.theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+    assert figures.theoretical_bubble(4, 8, "zb-h1") == pytest.approx(bubble_fraction("zb-h1", 4, 8))
+    assert figures.theoretical_bubble(4, 8, "zb-h1") < 3 / 11

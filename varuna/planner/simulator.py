@@ -141,6 +141,7 @@ class Timeline:
                 "start": sp.start,
                 "end": sp.end,
                 "predicted": True,
+                **({"vstage": sp.stage} if sp.stage is not None else {}),
             }
             for s, spans in enumerate(self.spans)
             for sp in spans

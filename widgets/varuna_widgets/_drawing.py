@@ -218,9 +218,7 @@ class _Drawing:
         if measured is not None:
             text += f" · measured bubble {measured:.1%}"
         if isinstance(p, int) and isinstance(m, int):
-            text += (
-                f" · theory (P−1)/(M+P−1) = {figures.theoretical_bubble(p, m):.1%} ({schedule}, P={p}, M={m})"
-            )
+            text += f" · theory {figures.theoretical_bubble(p, m, str(schedule or '1f1b')):.1%} ({schedule}, P={p}, M={m})"
         return text
 
     def _draw_memory(self, ctl: JobController) -> None:

@@ -64,9 +64,12 @@ def row_label(stage: int, replica: int) -> str:
     return f"stage {stage} · replica {replica}"
 
 
-def theoretical_bubble(pipeline: int, microbatches: int) -> float:
-    """(P-1)/(M+P-1): the idle fraction of GPipe, 1F1B and Varuna with uniform stages, free comm."""
-    return (pipeline - 1) / (microbatches + pipeline - 1)
+def theoretical_bubble(pipeline: int, microbatches: int, schedule: str = "1f1b") -> float:
+    """The schedule's theoretical idle fraction from the registry (`varuna.schedule.bubble_fraction`):
+    (P-1)/(M+P-1) for GPipe, 1F1B and Varuna; smaller for zero-bubble and interleaved schedules."""
+    from varuna.schedule import bubble_fraction
+
+    return bubble_fraction(schedule, pipeline, microbatches)  # type: ignore[arg-type]
 
 
 def timeline_traces(timeline: Timeline, *, origin: float | None = None) -> list[dict[str, Any]]:
