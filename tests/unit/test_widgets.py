@@ -261,3 +261,29 @@ def test_theoretical_bubble_uses_schedule_registry():
     assert figures.theoretical_bubble(4, 8) == pytest.approx(3 / 11)
     assert figures.theoretical_bubble(4, 8, "zb-h1") == pytest.approx(bubble_fraction("zb-h1", 4, 8))
     assert figures.theoretical_bubble(4, 8, "zb-h1") < 3 / 11
+
+
+def test_a_ranks_two_chunks_are_drawn_apart() -> None:
+    """interleaved-1f1b / zb-v: spans of a rank's later chunk (virtual stage >= P) are hatched and say
+    their stage on hover, measured and predicted; one-chunk spans stay solid."""
+    from varuna.planner.simulator import StageCost, simulate
+    from varuna.telemetry.store import SpanRecord, Timeline, TimelineRow
+
+    rows = [
+        TimelineRow(stage=s, replica=0, rank=s, spans=[
+            SpanRecord("F", 0, 0.0, 0.001, 1, s, vstage=s), SpanRecord("F", 0, 0.002, 0.003, 1, s, vstage=2 + s),
+        ])
+        for s in (0, 1)
+    ]  # fmt: skip
+    traces = {t["name"]: t for t in figures.timeline_traces(Timeline([1], rows, 0.0, 0.003))}
+    forward = traces[figures._NAMES["F"]]
+    assert forward["marker"]["pattern"]["shape"] == ["", "/", "", "/"]
+    assert [c[4] for c in forward["customdata"]] == [" (stage 0)", " (stage 2)", " (stage 1)", " (stage 3)"]
+    assert "pattern" not in traces[figures._NAMES["B"]]["marker"]  # nothing there: solid
+    plain = [TimelineRow(stage=0, replica=0, rank=0, spans=[SpanRecord("F", 0, 0.0, 0.001, 1, 0)])]
+    assert "pattern" not in figures.timeline_traces(Timeline([1], plain, 0.0, 0.001))[0]["marker"]
+
+    cost = StageCost(forward_s=1, backward_s=2)
+    events = simulate("interleaved-1f1b", 2, 2, [cost] * 4).to_events()
+    predicted = {t["name"]: t for t in figures.predicted_traces(events)}["predicted " + figures._NAMES["F"]]
+    assert set(predicted["marker"]["pattern"]["shape"]) == {"", "/"} and " (stage 3)" in predicted["text"]

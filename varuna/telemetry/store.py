@@ -41,6 +41,8 @@ class SpanRecord:
     direction: str | None = None
     peer: int | None = None
     bytes: int | None = None
+    vstage: int | None = None
+    """The virtual stage it ran for, where a rank holds several chunks (interleaved-1f1b, zb-v)."""
 
 
 @dataclass(slots=True)
@@ -222,6 +224,7 @@ class EventStore:
                         s.get("dir"),
                         s.get("peer"),
                         s.get("bytes"),
+                        s.get("vstage"),
                     )
                     for s in event["spans"]
                 ]

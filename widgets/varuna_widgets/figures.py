@@ -82,6 +82,8 @@ def timeline_traces(timeline: Timeline, *, origin: float | None = None) -> list[
     out: dict[str, dict[str, list[Any]]] = {
         k: {"x": [], "base": [], "y": [], "customdata": []} for k in SPAN_KINDS
     }
+    pipeline = max((r.stage for r in timeline.rows), default=0) + 1
+    patterns: dict[str, list[str]] = {k: [] for k in SPAN_KINDS}
     for row in timeline.rows:
         label = row_label(row.stage, row.replica)
         for s in row.spans:
@@ -92,22 +94,46 @@ def timeline_traces(timeline: Timeline, *, origin: float | None = None) -> list[
             cols["x"].append(round(max(s.end - s.start, 0.0) * 1e3, 3))
             cols["y"].append(label)
             cols["customdata"].append(
-                [s.step, "" if s.microbatch is None else s.microbatch, s.direction or "", row.rank]
+                [
+                    s.step,
+                    "" if s.microbatch is None else s.microbatch,
+                    s.direction or "",
+                    row.rank,
+                    _chunk(s.vstage),
+                ]
             )
+            patterns[s.kind].append(_pattern(s.vstage, pipeline))
     return [
         {
             "type": "bar",
             "orientation": "h",
             "name": _NAMES[kind],
             "legendgroup": kind,
-            "marker": {"color": COLORS[kind], "line": {"width": 0}},
+            "marker": _marker(COLORS[kind], patterns[kind]),
             "width": _WIDTH.get(kind, 0.8),
-            "hovertemplate": f"{_NAMES[kind]} %{{customdata[2]}}%{{customdata[1]}}<br>step %{{customdata[0]}}, "
-            "rank %{customdata[3]}<br>%{base:.1f} ms + %{x:.2f} ms<extra></extra>",
+            "hovertemplate": f"{_NAMES[kind]} %{{customdata[2]}}%{{customdata[1]}}%{{customdata[4]}}<br>step "
+            "%{customdata[0]}, rank %{customdata[3]}<br>%{base:.1f} ms + %{x:.2f} ms<extra></extra>",
             **cols,
         }
         for kind, cols in out.items()
     ]
+
+
+def _chunk(vstage: Any) -> str:
+    """Hover text naming the virtual stage of a span (several chunks per rank), else nothing."""
+    return "" if vstage is None else f" (stage {vstage})"
+
+
+def _pattern(vstage: Any, pipeline: int) -> str:
+    """A rank's later chunk (virtual stage >= P) is hatched; its first chunk and one-chunk spans are solid."""
+    return "/" if vstage is not None and int(vstage) >= pipeline else ""
+
+
+def _marker(color: str, patterns: list[str], **extra: Any) -> dict[str, Any]:
+    marker: dict[str, Any] = {"color": color, "line": {"width": 0}, **extra}
+    if any(patterns):  # per bar: hatched for the later chunk
+        marker["pattern"] = {"shape": patterns, "fillmode": "overlay", "fgcolor": "#333", "solidity": 0.35}
+    return marker
 
 
 def predicted_traces(
@@ -118,6 +144,8 @@ def predicted_traces(
     out: dict[str, dict[str, list[Any]]] = {
         k: {"x": [], "base": [], "y": []} for k in ("F", "B", "W", "R", "allreduce")
     }
+    pipeline = max((int(e["stage"]) for e in events), default=0) + 1
+    patterns: dict[str, list[str]] = {k: [] for k in out}
     for e in events:
         kind = _PREDICTED.get(str(e["kind"]))
         if kind is None:
@@ -125,15 +153,18 @@ def predicted_traces(
         out[kind]["base"].append(round(offset_ms + float(e["start"]) * 1e3, 3))
         out[kind]["x"].append(round((float(e["end"]) - float(e["start"])) * 1e3, 3))
         out[kind]["y"].append(row_label(int(e["stage"]), replica))
+        out[kind].setdefault("text", []).append(_chunk(e.get("vstage")))
+        patterns[kind].append(_pattern(e.get("vstage"), pipeline))
     return [
         {
             "type": "bar",
             "orientation": "h",
             "name": f"predicted {_NAMES[kind]}",
             "legendgroup": f"predicted-{kind}",
-            "marker": {"color": "rgba(0,0,0,0)", "line": {"width": 1.5, "color": COLORS[kind]}},
+            "marker": _marker("rgba(0,0,0,0)", patterns[kind], line={"width": 1.5, "color": COLORS[kind]}),
             "width": 0.95,
-            "hovertemplate": f"predicted {_NAMES[kind]}<br>%{{base:.1f}} ms + %{{x:.2f}} ms<extra></extra>",
+            "textposition": "none",
+            "hovertemplate": f"predicted {_NAMES[kind]}%{{text}}<br>%{{base:.1f}} ms + %{{x:.2f}} ms<extra></extra>",
             **cols,
         }
         for kind, cols in out.items()
