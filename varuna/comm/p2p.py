@@ -191,8 +191,7 @@ class P2P:
     ) -> None:
         self.prev = prev_rank
         self.next = next_rank
-        # Streams of their own where one rank pair carries several (chunks of interleaved
-        # schedules): (boundary in, boundary out), the virtual stages received by and sent to.
+        # own streams per stage boundary where one rank pair carries several (two chunks per rank)
         self._in, self._out = (tags[0] * _STREAM, tags[1] * _STREAM) if tags is not None else (0, 0)
         self.device = device
         self.ordered = device.type == "cuda" if ordered is None else ordered
