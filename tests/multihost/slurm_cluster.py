@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from varuna.launch.pids import pid_alive, terminate
 
 __all__ = ["SlurmCluster", "slurm_unavailable", "SLURM_TOOLS"]
 
@@ -69,25 +70,7 @@ def _processes_with(marker: str) -> dict[int, str]:
 
 
 def _kill(pids: set[int], grace_s: float) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + wait_s
-        while pids and time.monotonic() < end:
-            time.sleep(0.05)
-            pids = {p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)}
-        if not pids:
-            return
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+    terminate(lambda: {p for p in pids if pid_alive(p)}, grace_s, kill_wait_s=2.0)
 
 
 def remove_stale() -> None:

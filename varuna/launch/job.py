@@ -37,7 +37,7 @@ from varuna._files import write_json_atomic
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.hostfile import hostfile_slots
-from varuna.launch.pids import check_status, job_processes, pid_alive
+from varuna.launch.pids import check_status, job_processes, pid_alive, terminate
 from varuna.launch.postmortem import _shown, read_reports, summarise
 from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun_command
 from varuna.telemetry.straggler_watch import StragglerWatch, watch_config
@@ -353,17 +353,7 @@ class Job:
 
     def _kill_all(self, grace_s: float) -> None:
         """SIGTERM every process of the job, then SIGKILL whatever is left after ``grace_s``."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
-            pids = self._job_pids()
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + wait_s
-            while pids and time.monotonic() < end:
-                time.sleep(0.05)
-                pids = {pid for pid in pids if pid_alive(pid)}
+        terminate(self._job_pids, grace_s)
 
     def poll(self) -> int | None:
         """The job's exit code once it is over, else None; enforces ``timeout_s`` and kill deadlines."""

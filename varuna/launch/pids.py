@@ -21,12 +21,24 @@ file is signalled (``unverified``). This module imports nothing heavy: the CLI u
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["identity", "pid_alive", "start_ticks", "boot_id", "Verdict", "check_status", "job_processes"]
+__all__ = [
+    "identity",
+    "pid_alive",
+    "terminate",
+    "start_ticks",
+    "boot_id",
+    "Verdict",
+    "check_status",
+    "job_processes",
+]
 
 Kind = Literal["live", "dead", "reused", "remote", "unverified"]
 
@@ -71,6 +83,25 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def terminate(pids: Callable[[], set[int]], grace_s: float, kill_wait_s: float = 1.0) -> set[int]:
+    """SIGTERM the processes `pids()` names, SIGKILL those `pids()` names after `grace_s` (the set
+    is asked again: a launcher's children may have appeared), wait up to `kill_wait_s` for them;
+    returns the ones still alive."""
+    left: set[int] = set()
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        left = pids()
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait_s
+        while left and time.monotonic() < end:
+            time.sleep(0.05)
+            left = {pid for pid in left if pid_alive(pid)}
+    return left
 
 
 @dataclass(frozen=True, slots=True)
