@@ -4,15 +4,13 @@ P x V virtual stages, simulated by rank, with memory and reductions summed over 
 from __future__ import annotations
 
 from varuna.cut.partition import balance_ranks
-from varuna.planner.costs import CostTable
+from varuna.planner.costs import STEP_ALLREDUCE_BYTES, CostTable
 from varuna.planner.result import Candidate
 from varuna.planner.sharing import Sharing
 from varuna.planner.simulator import StageCost, simulate
 from varuna.schedule import ScheduleName, schedule_spec
 
 __all__ = ["chunked_misfit", "chunked_candidate"]
-
-_STEP_ALLREDUCE_BYTES = 64
 
 
 def chunked_misfit(table: CostTable, schedule: ScheduleName, pipeline: int, microbatches: int) -> str | None:
@@ -85,7 +83,7 @@ def chunked_candidate(
         costs,
         comm=comm,
         allreduce_s=reduce,
-        final_allreduce_s=net.allreduce_time(_STEP_ALLREDUCE_BYTES, world, world=world),
+        final_allreduce_s=net.allreduce_time(STEP_ALLREDUCE_BYTES, world, world=world),
         update_s=update,
         sharing=Sharing(
             replicas=data,

@@ -31,9 +31,18 @@ from varuna.errors import ConfigError
 from varuna.planner._json import _check_per_size, _field, _int_keys
 from varuna.planner.network import NetworkCost, slowdown_of
 
-__all__ = ["SegmentCost", "NetworkCost", "CostTable", "model_signature", "FORMAT_VERSION"]
+__all__ = [
+    "SegmentCost",
+    "NetworkCost",
+    "CostTable",
+    "model_signature",
+    "FORMAT_VERSION",
+    "STEP_ALLREDUCE_BYTES",
+]
 
 FORMAT_VERSION = 1
+STEP_ALLREDUCE_BYTES = 64
+"""The engine's one small all-reduce per step (loss, gradient norm, stop and checkpoint flags)."""
 
 
 @dataclass(kw_only=True, slots=True)

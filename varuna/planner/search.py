@@ -40,7 +40,7 @@ from varuna.cut.partition import balance
 from varuna.errors import PlanError
 from varuna.planner.chunked import chunked_candidate, chunked_misfit
 from varuna.planner.cluster import Cluster, Links
-from varuna.planner.costs import CostTable
+from varuna.planner.costs import STEP_ALLREDUCE_BYTES, CostTable
 from varuna.planner.fast import inflight_in_order, lowered
 from varuna.planner.memory import _memory, format_bytes, parse_memory
 from varuna.planner.result import Candidate, PlanResult, Rejected
@@ -58,8 +58,6 @@ __all__ = [
     "parse_memory",
     "format_bytes",
 ]
-
-_STEP_ALLREDUCE_BYTES = 64  # the per-step loss / overflow / stop-flag all-reduce
 
 
 def _stage_ranges(boundaries: Sequence[int], num_segments: int) -> list[range]:
@@ -319,7 +317,7 @@ class _Shape:
             self.reduce[-1] += tied
             # the last stage updates its own copy of the tied weights, at segment 0's cost per byte
             self.update[-1] += segs[0].update_s * table.tied_bytes / max(segs[0].param_bytes, 1)
-        self.final = links.step_allreduce(_STEP_ALLREDUCE_BYTES)
+        self.final = links.step_allreduce(STEP_ALLREDUCE_BYTES)
         self.sharing = (
             Sharing(  # ranks share the cores of their own host only: its replicas, at most D
                 replicas=data if cluster is None else min(data, max(1, cluster.gpus_per_host // pipeline)),
