@@ -96,3 +96,25 @@ def test_a_one_host_job_puts_the_store_and_gloo_on_loopback(tmp_path: Path, varu
     assert seen[0]["port"] == seen[1]["port"]
     assert seen[0]["listen"] == ["127.0.0.1"]  # the server, on rank 0: loopback only
     assert all(s["gloo_ifname"] == "lo" for s in seen.values())
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_path: Path, varuna_run) -> None:
+    """VARUNA_NCCL_RULES=1: a receive posted early on the communicator both directions share holds
+    back the gradient send the peer waits for (the first GPU run hung so) and raises; on a group per
+    direction the same exchange completes; tags are ignored, so a receive posted out of order gets
+    the other message. Without the rules gloo completes both and pairs by tag."""
+    (tmp_path / "on").mkdir(), (tmp_path / "off").mkdir()
+    ruled = _two_ranks(varuna_run, tmp_path / "on", "nccl_rules_check.py", "RULES",
+                       VARUNA_NCCL_RULES="1", VARUNA_TIMEOUT="4")  # fmt: skip
+    for r in (0, 1):
+        assert ruled[r]["installed"] is True
+        assert ruled[r]["split"] == "completed"
+        assert ruled[r]["shared"].startswith("NcclRuleError"), ruled[r]
+        assert "on NCCL this hangs" in ruled[r]["shared"] and "two communicators" in ruled[r]["shared"]
+    assert ruled[1]["order_b_got"] == [1.0, 1.0, 1.0]  # the first message sent, tag 1's
+    plain = _two_ranks(varuna_run, tmp_path / "off", "nccl_rules_check.py", "RULES", VARUNA_TIMEOUT="4")
+    assert [plain[r]["installed"] for r in (0, 1)] == [False, False]
+    assert [plain[r]["shared"] for r in (0, 1)] == ["completed", "completed"]
+    assert plain[1]["order_b_got"] == [2.0, 2.0, 2.0]  # gloo matches tag 2

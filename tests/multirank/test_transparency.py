@@ -4,6 +4,11 @@ For a GPT-like model (tied embeddings, causal mask) and a BERT-like MLM encoder 
 used by every stage), at every P x D in {1x1, 2x1, 1x2, 2x2, 4x1, 3x1 uneven} and with each
 schedule, the 5 step losses and the final parameters match single-process training on the same
 global batches within 1e-5 relative (fp32). One `varuna run` job per world size trains them all.
+
+The jobs with more than one rank run under NCCL's point-to-point rules (`VARUNA_NCCL_RULES=1`:
+tags ignored, a communicator's operations one after another; `varuna.comm.nccl_rules`), so every
+schedule here, shape changes included, is also what a GPU run would do; the other multi-rank tests
+keep gloo's own behaviour.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> dict[int, Pa
                 pipeline=world,
                 data=1,
                 run_dir=base / f"run{world}",
+                env={"VARUNA_NCCL_RULES": "1"} if world > 1 else None,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=cwd,
@@ -67,6 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> dict[int, Pa
         log.close()
         text = (base / f"w{world}.log").read_text()
         assert code == 0, f"world {world} job failed ({code}):\n{text[-6000:]}"
+        assert (world > 1) == ("follows NCCL's rules" in text), text[-3000:]
         outs[world] = out
     # nothing is written to the working directory: caches and logs live in the run directory
     assert list(cwd.iterdir()) == []

@@ -30,11 +30,11 @@ class _OrderedWire:
         self.sent: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.posted: dict[tuple[int, int], int] = {}
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> object:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: object = None) -> object:
         self.sent.setdefault((1 - dst, dst), []).append(tensor.clone())
         return _Done()
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> object:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, group: object = None) -> object:
         link = (src, 1 - src)
         k = self.posted.get(link, 0)
         self.posted[link] = k + 1

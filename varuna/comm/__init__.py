@@ -14,7 +14,7 @@ _WHERE = {
     "finalize_mpi": "rendezvous",
     "env_rank": "rendezvous",
     "P2P": "p2p",
-    "GradBuckets": "p2p",
+    "GradBuckets": "buckets",
     "flatten_value": "p2p",
 }
 __all__ = sorted(_WHERE)

@@ -28,10 +28,13 @@ header per activation cost one per activation; the sender compares shapes on the
 Gradients flow back with exactly the shapes of the activations sent, so they need no header and
 their receives are posted as soon as the activation leaves, overlapping with compute.
 
-Tags keep the streams apart: one pair of neighbouring ranks carries activations one way and
-gradients the other; within a stream messages match in order (FIFO), and the tag also carries
-the micro-batch index so a mismatch fails loudly instead of silently pairing wrong tensors. NCCL
-ignores tags, so each end also posts in one order: early receives, then the header, then late.
+Streams: a stage boundary carries activations one way and gradients the other, each on a process
+group of its own (`varuna.comm.links`): NCCL runs a communicator's operations one after another,
+so with one group a receive posted early would hold back the other direction's sends and both
+ranks would wait (the first GPU run hung so; `VARUNA_NCCL_RULES=1` shows it on gloo). Within a
+stream messages match in order (FIFO); the tag also carries the micro-batch index so a mismatch
+fails loudly on gloo. NCCL ignores tags, so each end also posts in one order: early receives, then
+the header, then late.
 
 Arrivals: Varuna's schedule pulls a forward ahead when the awaited gradient has not arrived, so
 the runtime must learn that a message arrived without blocking on it. gloo's work objects report
@@ -47,13 +50,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from varuna.comm import nccl_rules
 from varuna.comm._shapes import (
     HEADER_LEN,
     Signature,
@@ -67,7 +71,7 @@ from varuna.comm._shapes import (
 )
 from varuna.errors import PartitionError
 
-__all__ = ["HEADER_LEN", "Value", "flatten_value", "encode_header", "decode_header", "P2P", "GradBuckets"]
+__all__ = ["HEADER_LEN", "Value", "flatten_value", "encode_header", "decode_header", "P2P"]
 
 _SLOTS = 128  # tag = microbatch * _SLOTS + slot: 0 header, 1.. activations, 32.. gradients, 64.. early
 _LATE, _GRAD, _EARLY = 1, 32, 64
@@ -188,15 +192,22 @@ class P2P:
         *,
         ordered: bool | None = None,
         tags: tuple[int, int] | None = None,
+        up: tuple[Any, Any] | None = None,
+        down: tuple[Any, Any] | None = None,
     ) -> None:
         self.prev = prev_rank
         self.next = next_rank
+        # (activations, gradients) process groups of the boundary with prev (up) and next (down);
+        # None: the default group (one communicator for both directions: not for NCCL)
+        none: tuple[Any, Any] = (None, None)
+        self._in_act, self._in_grad = up or none
+        self._out_act, self._out_grad = down or none
         # own streams per stage boundary where one rank pair carries several (two chunks per rank)
         self._in, self._out = (tags[0] * _STREAM, tags[1] * _STREAM) if tags is not None else (0, 0)
         self.device = device
-        self.ordered = device.type == "cuda" if ordered is None else ordered
-        """NCCL ignores tags and pairs a direction's sends and receives in posting order, so on it
-        activation receives are posted one micro-batch ahead at most (`post_activation_header`)."""
+        self.ordered = (device.type == "cuda" or nccl_rules.installed()) if ordered is None else ordered
+        """NCCL ignores tags and pairs a direction's sends and receives in posting order, so on it (and
+        on gloo under its rules) activation receives are posted one micro-batch ahead at most."""
         self._wanted: list[int] = []  # ordered: micro-batches whose receives wait for the one ahead
         watch = _watching(device)
         self._from_prev = _Watcher("varuna-p2p-from-prev") if watch and prev_rank is not None else None
@@ -229,10 +240,10 @@ class P2P:
             self._keys = dict(enumerate(keys))
             self._promised = [not h for h in header]
             msg = torch.tensor([n, *map(int, header)], dtype=torch.int64, device=self.device)
-            self._sends.append((dist.isend(msg, self.next, tag=self._out + _STEP), msg))
+            self._sends.append((dist.isend(msg, self.next, tag=self._out + _STEP, group=self._out_act), msg))
         if self.prev is not None:
             buf = torch.empty(n + 1, dtype=torch.int64, device=self.device)
-            self._step_in = (dist.irecv(buf, self.prev, tag=self._in + _STEP), buf)
+            self._step_in = (dist.irecv(buf, self.prev, tag=self._in + _STEP, group=self._in_act), buf)
             self._told = None
             for m in range(n):
                 self.post_activation_header(m)
@@ -276,7 +287,7 @@ class P2P:
         if last is not None:
             tensors = self._empty(last)
             works += [
-                dist.irecv(t, self.prev, tag=self._in + mb * _SLOTS + _EARLY + i)
+                dist.irecv(t, self.prev, tag=self._in + mb * _SLOTS + _EARLY + i, group=self._in_act)
                 for i, t in enumerate(tensors)
             ]
             pending.early = (last, tensors)
@@ -288,7 +299,7 @@ class P2P:
     def _post_header_recv(self, mb: int, pending: _Pending) -> Any:
         assert self.prev is not None
         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        pending.header = dist.irecv(buf, self.prev, tag=self._in + mb * _SLOTS)
+        pending.header = dist.irecv(buf, self.prev, tag=self._in + mb * _SLOTS, group=self._in_act)
         pending.buffers.append(buf)
         return pending.header
 
@@ -318,7 +329,7 @@ class P2P:
             return []
         pending.data = self._empty(sig)
         return [
-            dist.irecv(t, self.prev, tag=self._in + mb * _SLOTS + _LATE + i)
+            dist.irecv(t, self.prev, tag=self._in + mb * _SLOTS + _LATE + i, group=self._in_act)
             for i, t in enumerate(pending.data)
         ]
 
@@ -379,20 +390,28 @@ class P2P:
             if last is not None and not early:  # the early receives wait for the old shapes: fill them
                 for i, t in enumerate(self._empty(last)):
                     self._sends.append(
-                        (dist.isend(t, self.next, tag=self._out + mb * _SLOTS + _EARLY + i), t)
+                        (
+                            dist.isend(
+                                t, self.next, tag=self._out + mb * _SLOTS + _EARLY + i, group=self._out_act
+                            ),
+                            t,
+                        )
                     )
         if early:
             self._send_data(mb, _EARLY, tensors)
         if not self._promised or mb >= len(self._promised) or not self._promised[mb]:
             header = encode_signature(sig).to(self.device)
-            self._sends.append((dist.isend(header, self.next, tag=self._out + mb * _SLOTS), header))
+            self._sends.append(
+                (dist.isend(header, self.next, tag=self._out + mb * _SLOTS, group=self._out_act), header)
+            )
             self.headers_sent += 1
             self._last_out[mb] = sig
             if not early:
                 self._send_data(mb, _LATE, tensors)
         grads = [torch.empty_like(t) for t in tensors if _floating(t)]
         works = [
-            dist.irecv(g, self.next, tag=self._out + mb * _SLOTS + _GRAD + i) for i, g in enumerate(grads)
+            dist.irecv(g, self.next, tag=self._out + mb * _SLOTS + _GRAD + i, group=self._out_grad)
+            for i, g in enumerate(grads)
         ]
         arrival = self._from_next.watch(works) if self._from_next is not None and works else None
         self._grads[mb] = _Pending(works, grads, arrival)
@@ -401,7 +420,9 @@ class P2P:
     def _send_data(self, mb: int, slot: int, tensors: list[torch.Tensor]) -> None:
         assert self.next is not None
         for i, t in enumerate(tensors):
-            self._sends.append((dist.isend(t, self.next, tag=self._out + mb * _SLOTS + slot + i), t))
+            self._sends.append(
+                (dist.isend(t, self.next, tag=self._out + mb * _SLOTS + slot + i, group=self._out_act), t)
+            )
             self.bytes_sent += t.numel() * t.element_size()
 
     # gradients ---------------------------------------------------------------------------------
@@ -425,7 +446,9 @@ class P2P:
         for i, t in enumerate(x for x in tensors if _floating(x)):
             g = t.grad if t.grad is not None else torch.zeros_like(t)
             g = g.contiguous()
-            self._sends.append((dist.isend(g, self.prev, tag=self._in + mb * _SLOTS + _GRAD + i), g))
+            self._sends.append(
+                (dist.isend(g, self.prev, tag=self._in + mb * _SLOTS + _GRAD + i, group=self._in_grad), g)
+            )
             self.bytes_sent += g.numel() * g.element_size()
         self.comm_s += time.perf_counter() - t0
 
@@ -451,50 +474,3 @@ def _shapes(sig: Signature | None) -> str:
         return "none"
     text = ", ".join(f"{str(dtype).removeprefix('torch.')} {tuple(shape)}" for dtype, shape in sig[1])
     return f"({text})" if sig[0] else text
-
-
-class GradBuckets:
-    """Gradients as views into a few flat buffers, all-reduced (averaged) bucket by bucket.
-
-    Making `p.grad` a view of the bucket means backward accumulates straight into the buffer the
-    all-reduce sends: no copies in either direction.
-    """
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = 25 * 2**20) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.buffers: list[torch.Tensor] = []
-        self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        bucket: list[torch.nn.Parameter] = []
-        size = 0
-        for p in self.params:
-            if bucket and (size + p.numel() * p.element_size() > bucket_bytes or p.dtype != bucket[0].dtype):
-                self._add_bucket(bucket)
-                bucket, size = [], 0
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-        if bucket:
-            self._add_bucket(bucket)
-
-    def _add_bucket(self, params: list[torch.nn.Parameter]) -> None:
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            self._views.append((p, flat[offset : offset + p.numel()].view_as(p)))
-            offset += p.numel()
-        self.buffers.append(flat)
-
-    def zero_and_attach(self) -> None:
-        """Zero the buffers and point every parameter's .grad at its view (undoing zero_grad(None))."""
-        for flat in self.buffers:
-            flat.zero_()
-        for p, view in self._views:
-            if p.grad is not view:
-                p.grad = view
-
-    def allreduce_mean(self, group: Any, world: int) -> list[Any]:
-        """Start the averaging all-reduce of every bucket; returns the works to wait for."""
-        works = []
-        for flat in self.buffers:
-            flat.div_(world)
-            works.append(dist.all_reduce(flat, group=group, async_op=True))
-        return works

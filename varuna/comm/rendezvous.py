@@ -430,6 +430,10 @@ def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
         store = _server_store("127.0.0.1", timeout)
         _set_device(backend, 0)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    from varuna.comm import nccl_rules
+
+    if backend == "gloo" and nccl_rules.wanted():  # point-to-point under NCCL's rules
+        nccl_rules.install(timeout.total_seconds())
     return dist.get_rank(), dist.get_world_size()
 
 

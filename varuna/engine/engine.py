@@ -31,7 +31,8 @@ from torch import nn
 from varuna._files import write_json_atomic
 from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
-from varuna.comm.p2p import GradBuckets
+from varuna.comm.buckets import GradBuckets
+from varuna.comm.links import boundary_groups
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
 from varuna.elastic.protocol import MORPH_EXIT, StopRequest
@@ -128,12 +129,6 @@ class Varuna:
         spec = schedule_spec(cfg.engine.schedule)
         self.chunk_stages = spec.stages_of(self.stage, P)  # the virtual stages this rank holds
         rank_of = lambda s: spec.rank_of(s, P)  # noqa: E731
-        if spec.chunks_per_rank > 1 and self.device.type == "cuda":
-            raise ConfigError(
-                f"schedule {cfg.engine.schedule!r} ({spec.chunks_per_rank} chunks per rank) runs on gloo for now: "
-                "NCCL pairs the messages of a rank pair in posting order, and two chunks share a pair; use "
-                "schedule='zb-h1' or '1f1b' on GPUs"
-            )
         self.partition = _stage.partition(
             model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast,
             num_stages=P * spec.chunks_per_rank, owners=[rank_of(v) for v in range(P * spec.chunks_per_rank)],
@@ -173,8 +168,10 @@ class Varuna:
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
+        groups = boundary_groups(P, cfg.engine.data, P * spec.chunks_per_rank, rank_of, position=self.stage,
+                                 replica=self.replica)  # fmt: skip
         chunks = _stage.chunk_links(self.chunk_stages, P * spec.chunks_per_rank, rank_of, self.rank, self.stage,
-                                    self.device)  # fmt: skip
+                                    self.device, groups)  # fmt: skip
         names = cut_names(model)
         position = {name: i for i, name in enumerate(self.trace.cut_names)}
         index_of = {mid: position.get(name, -1) for mid, name in names.items()}

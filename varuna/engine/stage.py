@@ -235,13 +235,15 @@ def broadcast_initial_values(
 
 def chunk_links(
     stages: list[int], num_stages: int, rank_of: Callable[[int], int], rank: int, position: int,
-    device: torch.device,
+    device: torch.device, groups: dict[int, tuple[Any, Any]] | None = None,
 ) -> list[tuple[Any, Any]]:  # fmt: skip
     """For each virtual stage this rank holds, its (up, down) links: a `P2P` to the ranks holding the
-    neighbouring stages (one per chunk, on tags of its own), or a `LocalLink` where the neighbour is
-    a chunk of this rank. With one chunk per rank: one P2P, as ever."""
+    neighbouring stages (one per chunk, on tags and `groups` of its own: `varuna.comm.links`), or a
+    `LocalLink` where the neighbour is a chunk of this rank. With one chunk per rank: one P2P."""
     from varuna.comm.local import LocalLink
     from varuna.comm.p2p import P2P
+
+    groups = groups or {}
 
     def global_rank(v: int) -> int:
         return rank - position + rank_of(v)
@@ -249,7 +251,11 @@ def chunk_links(
     if len(stages) == 1:
         v = stages[0]
         p2p = P2P(
-            global_rank(v - 1) if v > 0 else None, global_rank(v + 1) if v < num_stages - 1 else None, device
+            global_rank(v - 1) if v > 0 else None,
+            global_rank(v + 1) if v < num_stages - 1 else None,
+            device,
+            up=groups.get(v - 1),
+            down=groups.get(v),
         )
         return [(p2p, p2p)]
     local = {v: LocalLink(v) for v in stages if v > 0 and v - 1 in stages}  # by receiving stage
@@ -257,6 +263,10 @@ def chunk_links(
     for v in stages:
         prev = None if v == 0 or v in local else global_rank(v - 1)
         nxt = None if v == num_stages - 1 or v + 1 in local else global_rank(v + 1)
-        link: Any = P2P(prev, nxt, device, tags=(v, v + 1)) if prev is not None or nxt is not None else None
+        link: Any = (
+            P2P(prev, nxt, device, tags=(v, v + 1), up=groups.get(v - 1), down=groups.get(v))
+            if prev is not None or nxt is not None
+            else None
+        )
         out.append((local.get(v, link), local.get(v + 1, link)))
     return out

@@ -107,12 +107,12 @@ def _messages(
     The arrival report is what the runtime's pull-ahead asks (`P2P.activation_ready`): gloo's
     receives say "not completed" until waited for, however long the message has been there.
     """
-    from varuna.comm.p2p import P2P
+    from varuna.comm.links import pair_link
 
     out = torch.zeros(6, dtype=torch.float64, device=device)
     group = dist.new_group([0, 1])  # collective: every rank of the job creates it
-    if rank in (0, 1):
-        p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device)
+    p2p = pair_link(rank, device)  # collective too
+    if p2p is not None:
         work = torch.randn(64, 64, device=device)
         act = torch.randn(max(nbytes // 4, 1), device=device)
         samples: list[list[float]] = [[], [], [], [], []]
@@ -181,12 +181,12 @@ def _message_cpu(
     Nothing else runs then, so it is the transfer's own work; on an oversubscribed host that work
     takes core time from the computing stages (`varuna.planner.sharing`).
     """
-    from varuna.comm.p2p import P2P
+    from varuna.comm.links import pair_link
 
     out = torch.zeros(len(sizes), dtype=torch.float64, device=device)
     group = dist.new_group([0, 1])  # collective: every rank of the job creates it
-    if rank in (0, 1):
-        p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device)
+    p2p = pair_link(rank, device)  # collective too
+    if p2p is not None:
         for i, nbytes in enumerate(sizes):
             act = torch.randn(max(nbytes // 4, 1), device=device)
             samples = []
@@ -232,13 +232,13 @@ def _delivery(
     The sender stamps the value with its clock and the receiver reads the stamp when the value is
     in, so both must share a monotonic clock: ranks on one host.
     """
-    from varuna.comm.p2p import P2P
+    from varuna.comm.links import pair_link
 
     hosts = [h for h, _ in host_layout()]
     if world < 2 or hosts[0] != hosts[1]:
         return {}
     out = torch.zeros(max(world - 1, 1), 4, dtype=torch.float64, device=device)
-    p2p = P2P(None, 1, device) if rank == 0 else P2P(0, None, device) if rank == 1 else None
+    p2p = pair_link(rank, device)  # collective: every rank creates its groups
     work = torch.randn(64, 64, device=device)
     stamp = torch.zeros(max(nbytes // 8, 1), dtype=torch.float64, device=device)
     m = 0  # one micro-batch slot throughout: after the first message, sent to early receives

@@ -1,0 +1,62 @@
+"""The process groups a pipeline's stage boundaries talk on: one for activations, one for gradients.
+
+NCCL runs one communicator's operations one after another on its stream. Were a boundary's two
+directions on one communicator, the receives a stage posts early for the next activations would
+hold back its gradient sends, while the stage before waits for those gradients before it sends the
+activations: both ranks wait forever. The first GPU run of the checks hung exactly so (gloo, whose
+operations proceed independently, passed), which `varuna.comm.nccl_rules` now reproduces on a CPU.
+So each boundary between two ranks gets two groups of those two ranks, one per direction; with two
+chunks per rank each virtual boundary has its own, so the chunks' messages never share a stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from varuna.comm.p2p import P2P
+from varuna.comm.rendezvous import group_timeout
+
+__all__ = ["boundary_groups", "pair_link"]
+
+
+def boundary_groups(
+    pipeline: int,
+    data: int,
+    num_stages: int,
+    rank_of: Callable[[int], int],
+    *,
+    position: int,
+    replica: int,
+) -> dict[int, tuple[Any, Any]]:
+    """Create every boundary's (activations, gradients) groups, in one order on every rank (as
+    torch.distributed requires), and return this rank's: boundary v (between virtual stages v and
+    v + 1) -> its two groups, for the boundaries of its own pipeline that it sits on. A boundary
+    inside one rank (two of its chunks meeting) is a local hand-off and gets none."""
+    mine: dict[int, tuple[Any, Any]] = {}
+    for r in range(data):
+        for v in range(num_stages - 1):
+            a, b = rank_of(v), rank_of(v + 1)
+            if a == b:
+                continue
+            ranks = sorted((r * pipeline + a, r * pipeline + b))
+            act = dist.new_group(ranks, timeout=group_timeout())
+            grad = dist.new_group(ranks, timeout=group_timeout())
+            if r == replica and position in (a, b):
+                mine[v] = (act, grad)
+    return mine
+
+
+def pair_link(rank: int, device: torch.device, *, ordered: bool | None = None) -> P2P | None:
+    """The link between ranks 0 (a first stage) and 1 (its next), made as the engine makes one, for
+    measurements and checks outside a pipeline; None on the other ranks. Every rank of the job must
+    call it (it creates the two groups)."""
+    groups = boundary_groups(2, 1, 2, lambda v: v, position=rank, replica=0)
+    if rank == 0:
+        return P2P(None, 1, device, ordered=ordered, down=groups[0])
+    if rank == 1:
+        return P2P(0, None, device, ordered=ordered, up=groups[0])
+    return None

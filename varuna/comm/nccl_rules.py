@@ -1,0 +1,179 @@
+"""gloo under NCCL's point-to-point rules, so a CPU run shows what a GPU run would do.
+
+NCCL differs from gloo in two ways that decide whether a pipeline's messages arrive:
+
+1. it ignores tags: within one communicator, a rank pair's sends and receives match in the order
+   they were posted, so a receive posted out of order gets another message's tensor;
+2. it runs a communicator's operations one after another on one stream: an operation starts only
+   once the one posted before it has finished, so a receive posted early holds back every later
+   send on that communicator, and two ranks that each wait for the other's held-back send hang.
+
+gloo does neither (tags match, operations proceed independently), so a schedule can pass every CPU
+test and hang on its first GPU step. That happened: the first GPU run of the checks hung in 120 s,
+while the same jobs passed on gloo, because activations and gradients of a rank pair shared one
+communicator (the fix: a group per direction and stage boundary, `varuna.comm.links`).
+
+`install()` (``VARUNA_NCCL_RULES=1`` on gloo; `init_distributed` calls it) replaces
+``torch.distributed.isend`` and ``irecv`` with ones that keep both rules: one FIFO worker per
+(group, rank pair) carries each operation to its end, with tag 0, before it starts the next. A
+mispairing then delivers a wrong tensor or fails on its size; a hold-back makes ``wait()`` raise
+`NcclRuleError` after ``VARUNA_TIMEOUT`` seconds, naming the communicator and the operation at its
+head. Collectives keep gloo's behaviour (they run in one order on every rank anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from varuna.errors import VarunaError
+
+__all__ = ["NcclRuleError", "install", "installed", "uninstall", "wanted"]
+
+ENV = "VARUNA_NCCL_RULES"
+
+
+class NcclRuleError(VarunaError, RuntimeError):
+    """An operation that would hang (or pair wrongly) on NCCL, found on gloo."""
+
+
+def wanted() -> bool:
+    return os.environ.get(ENV, "").strip() not in ("", "0")
+
+
+class _Work:
+    def __init__(self, stream: _Stream, what: str) -> None:
+        self.stream = stream
+        self.what = what
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self.done.wait(_timeout_s()):
+            head = self.stream.head()
+            where = (
+                "is at the head of its communicator, and the peer never posted its counterpart there "
+                "(held behind another operation, or posted in another order)"
+                if head.startswith(self.what)
+                else f"waits behind {head} on its communicator"
+            )
+            raise NcclRuleError(
+                f"{self.what} did not finish in {_timeout_s():g} s under NCCL's rules: it {where} "
+                f"({self.stream.name}); on NCCL this hangs. Post a communicator's operations in the "
+                "order its peer posts them, and put the two directions of a rank pair on two "
+                "communicators (varuna.comm.links)."
+            )
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Stream:
+    """One communicator's operations between one rank pair, carried out one after another."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._head: tuple[str, float] | None = None
+        self._thread = threading.Thread(target=self._run, name=f"varuna-nccl-rules {name}", daemon=True)
+        self._thread.start()
+
+    def head(self) -> str:
+        head = self._head
+        return "nothing" if head is None else f"{head[0]} ({time.monotonic() - head[1]:.1f} s ago)"
+
+    def post(self, op: Any, tensor: torch.Tensor, peer: int, group: Any, what: str) -> _Work:
+        work = _Work(self, what)
+        self._queue.put((op, tensor, peer, group, work))
+        return work
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            op, tensor, peer, group, work = item
+            self._head = (work.what, time.monotonic())
+            try:
+                op(tensor, peer, group=group, tag=0)  # NCCL ignores tags: pairing is by order alone
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                work.error = exc
+            finally:
+                self._head = None
+                work.done.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+_original: tuple[Any, Any] | None = None
+_streams: dict[tuple[int, int, int], _Stream] = {}
+_lock = threading.Lock()
+
+
+_TIMEOUT_S = [120.0]  # install() sets the job's (VARUNA_TIMEOUT)
+
+
+def _timeout_s() -> float:
+    return _TIMEOUT_S[0]
+
+
+def _stream(group: Any, peer: int) -> _Stream:
+    me = dist.get_rank()
+    key = (0 if group is None else id(group), min(me, peer), max(me, peer))
+    with _lock:
+        if key not in _streams:
+            gname = "default" if group is None else f"group {len(_streams)}"
+            _streams[key] = _Stream(f"{gname} ranks {key[1]}<->{key[2]}")
+        return _streams[key]
+
+
+def install(timeout_s: float = 120.0) -> None:
+    """Route ``torch.distributed.isend``/``irecv`` through NCCL's rules (idempotent); a send or
+    receive not done after `timeout_s` raises `NcclRuleError`."""
+    global _original
+    _TIMEOUT_S[0] = timeout_s
+    if _original is not None:
+        return
+    _original = (dist.isend, dist.irecv)
+    send, recv = dist.send, dist.recv
+
+    def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **_: Any) -> _Work:
+        what = f"send of {tuple(tensor.shape)} to rank {dst} (tag {tag})"
+        return _stream(group, dst).post(send, tensor, dst, group, what)
+
+    def irecv(
+        tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any
+    ) -> _Work:
+        if src is None:
+            raise NcclRuleError("a receive from any source has no NCCL counterpart: name the source rank")
+        what = f"receive of {tuple(tensor.shape)} from rank {src} (tag {tag})"
+        return _stream(group, src).post(recv, tensor, src, group, what)
+
+    dist.isend, dist.irecv = isend, irecv  # type: ignore[assignment]
+    if dist.get_rank() == 0:
+        print(f"varuna: point-to-point follows NCCL's rules on gloo ({ENV}=1)", file=sys.stderr, flush=True)
+
+
+def installed() -> bool:
+    return _original is not None
+
+
+def uninstall() -> None:
+    """Put gloo's own isend/irecv back and stop the workers (tests)."""
+    global _original
+    if _original is None:
+        return
+    dist.isend, dist.irecv = _original  # type: ignore[assignment]
+    _original = None
+    with _lock:
+        for s in _streams.values():
+            s.close()
+        _streams.clear()
