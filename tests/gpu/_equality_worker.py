@@ -22,7 +22,6 @@ from transparency_common import GLOBAL_BATCH, MICRO_BATCH, MODELS, build, datase
 
 from varuna import Varuna  # noqa: E402
 from varuna.data import collate  # noqa: E402
-from varuna.errors import ConfigError  # noqa: E402
 from varuna.schedule import SCHEDULES  # noqa: E402
 
 
@@ -37,21 +36,15 @@ def main() -> None:
             data = dataset(kind)
             folder = out / f"{kind}-{P}x{D}-{schedule}"
             folder.mkdir(parents=True, exist_ok=True)
-            try:
-                engine = Varuna(
-                    build(kind),
-                    pipeline=P,
-                    data=D,
-                    schedule=schedule,
-                    global_batch_size=GLOBAL_BATCH,
-                    micro_batch_size=MICRO_BATCH,
-                    example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
-                )
-            except ConfigError as exc:  # two chunks per rank: refused on NCCL for now
-                if SCHEDULES[schedule].chunks_per_rank == 1:
-                    raise
-                (folder / "skipped.txt").write_text(str(exc))
-                continue
+            engine = Varuna(
+                build(kind),
+                pipeline=P,
+                data=D,
+                schedule=schedule,
+                global_batch_size=GLOBAL_BATCH,
+                micro_batch_size=MICRO_BATCH,
+                example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
+            )
             engine.set_optimizer(optimizer(engine.parameters()))
             losses = [engine.step(engine.batch(data, k)) for k in range(steps)]
             params = {n: p.detach().cpu().clone() for n, p in engine.named_parameters()}

@@ -14,6 +14,7 @@ engine's device seam to accept gloo on CUDA, which the CPU-first engine does not
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import platform
@@ -111,11 +112,27 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def nccl_version() -> tuple[int, int, int]:
-    """The NCCL torch loaded (older torch gives one int: 2.9+ encode it as major * 10000 + ...)."""
-    v = torch.cuda.nccl.version()
-    if isinstance(v, tuple):
-        return (int(v[0]), int(v[1]), int(v[2]))
+    """The NCCL this process runs: ncclGetVersion of the loaded libnccl (torch's
+    `torch.cuda.nccl.version()` gives the version torch was built against, which an NCCL installed
+    or preloaded beside it does not change); torch's when the library cannot be asked."""
+    v = _loaded_nccl_code()
+    if v is None:
+        t = torch.cuda.nccl.version()
+        if isinstance(t, tuple):
+            return (int(t[0]), int(t[1]), int(t[2]))
+        v = int(t)
     return (v // 10000, v // 100 % 100, v % 100) if v >= 20900 else (v // 1000, v // 100 % 10, v % 100)
+
+
+def _loaded_nccl_code() -> int | None:
+    try:
+        lib = ctypes.CDLL("libnccl.so.2")  # the copy torch loaded (or LD_PRELOAD put first)
+        code = ctypes.c_int(0)
+        if lib.ncclGetVersion(ctypes.byref(code)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return code.value
 
 
 def shared_gpu_refusal() -> str | None:
@@ -132,7 +149,7 @@ def shared_gpu_refusal() -> str | None:
 def transport(ctx: Context, world: int) -> Transport:
     """The transport a job of `world` ranks gets (see the module docstring)."""
     if ctx.device == "cpu":
-        return Transport("gloo (cpu)", {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}, cuda=False)
+        return Transport("gloo (cpu) under NCCL's rules", {**_GLOO, "VARUNA_NCCL_RULES": "1"}, cuda=False)
     if world <= ctx.gpus:
         return Transport("nccl, one GPU per rank", {"VARUNA_BACKEND": "nccl"}, cuda=True)
     if ctx.nccl_refused is None:
@@ -145,10 +162,14 @@ def transport(ctx: Context, world: int) -> Transport:
     return fallback()
 
 
+_GLOO = {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}
+
+
 def fallback() -> Transport:
+    """gloo on the CPU, under NCCL's point-to-point rules (`varuna.comm.nccl_rules`)."""
     return Transport(
-        "gloo (cpu) - fallback: NCCL puts no two ranks on one GPU here",
-        {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""},
+        "gloo (cpu) under NCCL's rules - fallback: NCCL puts no two ranks on one GPU here",
+        {**_GLOO, "VARUNA_NCCL_RULES": "1"},
         cuda=False,
     )
 

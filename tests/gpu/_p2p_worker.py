@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from varuna.comm.links import pair_link
 from varuna.comm.p2p import P2P
 
 STEPS, MICRO = 5, 4
@@ -57,10 +58,16 @@ def _first(v: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     return v[0] if isinstance(v, tuple) else v
 
 
+def _link(rank: int, device: torch.device, ordered: bool | None = None) -> P2P:
+    link = pair_link(rank, device, ordered=ordered)  # the engine's: a group per direction
+    assert link is not None
+    return link
+
+
 def ordering(rank: int, device: torch.device, ordered: bool | None) -> dict[str, object]:
     wrong: list[str] = []
+    p2p = _link(rank, device, ordered=ordered)
     if rank == 0:
-        p2p = P2P(None, 1, device, ordered=ordered)
         for step in range(STEPS):
             dist.barrier()
             for mb in range(MICRO):
@@ -70,7 +77,6 @@ def ordering(rank: int, device: torch.device, ordered: bool | None) -> dict[str,
                     wrong.append(f"grad step {step} mb {mb}")
             p2p.finish()
     else:
-        p2p = P2P(0, None, device, ordered=ordered)
         for step in range(STEPS):
             for mb in range(MICRO):
                 p2p.post_activation_header(mb)  # as the runtime does at the start of a step
@@ -102,8 +108,8 @@ def _poll(ready, timeout_s: float = 10.0) -> float | None:  # type: ignore[no-un
 def arrival(rank: int, device: torch.device) -> dict[str, object]:
     os.environ["VARUNA_P2P_WATCH"] = "1"  # gloo needs the watcher threads; NCCL ignores it
     want = torch.arange(12.0, device=device).reshape(3, 4)
+    p2p = _link(rank, device)
     if rank == 0:
-        p2p = P2P(None, 1, device)
         dist.barrier()
         time.sleep(0.3)
         p2p.send_activation(0, want)
@@ -111,7 +117,6 @@ def arrival(rank: int, device: torch.device) -> dict[str, object]:
         seen["after_s"] = _poll(lambda: p2p.grad_ready(0))
         seen["exact"] = torch.equal(p2p.recv_grad(0)[0], 2 * want)
     else:
-        p2p = P2P(0, None, device)
         p2p.post_activation_header(0)
         dist.barrier()
         seen = {"ready_at_once": p2p.activation_ready(0)}

@@ -145,13 +145,15 @@ def judge_equality(pipeline: int, data: int, steps: int, rtol: float) -> Judge:
                     continue
                 runs[tag] = compare(out / tag, kind, pipeline * data, data, steps, rtol)
         failing = [t for t, r in runs.items() if not r["ok"]]
+        ran = [r for r in runs.values() if "skipped" not in r and "loss_rel" in r]
         return {
             "ok": not failing,
             "rtol": rtol,
             "steps": steps,
             "schedules": list(SCHEDULES),
-            "max_loss_rel": max(r.get("loss_rel", float("inf")) for r in runs.values()),
-            "max_param_rel": max(r.get("param_rel", float("inf")) for r in runs.values()),
+            "max_loss_rel": max((r["loss_rel"] for r in ran), default=None),
+            "max_param_rel": max((r["param_rel"] for r in ran), default=None),
+            "skipped": [t for t, r in runs.items() if "skipped" in r],
             "failing": failing,
             "runs": runs,
         }
@@ -195,7 +197,11 @@ def _summary(check: dict[str, Any]) -> str:
     if "early_receives" in d:
         return f"early receives {d['early_receives']}, arrivals seen after {d['arrival_seen_after_s']} s"
     if "max_loss_rel" in d:
-        return f"{len(d['runs'])} runs, max loss rel {d['max_loss_rel']:.2g}, max param rel {d['max_param_rel']:.2g}"
+        ran = len(d["runs"]) - len(d["skipped"])
+        return (
+            f"{ran} runs, {len(d['skipped'])} skipped, max loss rel {d['max_loss_rel'] or 0:.2g}, "
+            f"max param rel {d['max_param_rel'] or 0:.2g}"
+        )
     if "schedules" in d:
         return ", ".join(
             f"{s} {r['samples_per_s']}/s ({r['share_of_ideal']:.2f})" for s, r in d["schedules"].items()

@@ -63,7 +63,7 @@ def test_the_quick_run_passes_on_cpu(tmp_path: Path) -> None:
     report = _run(tmp_path, "--device", "cpu", "--quick", timeout=140)
     assert report["environment"]["device"] == "cpu"
     for check in report["checks"]:
-        assert check["transport"] == "gloo (cpu)" and check["cuda"] is False
+        assert check["transport"] == "gloo (cpu) under NCCL's rules" and check["cuda"] is False
     p2p = next(c for c in report["checks"] if c["name"] == "p2p")["details"]
     assert p2p["early_receives"] == {"runtime": 14, "posting order": 14}
 
@@ -106,7 +106,8 @@ def test_each_job_gets_nccl_a_shared_gpu_or_the_gloo_fallback(tmp_path: Path) ->
     from _harness import Context, transport
 
     ctx = Context(device="cpu", quick=True, work=tmp_path, deadline=0.0, budget_s=1.0, rtol=1e-5)
-    assert transport(ctx, 4).env == {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}
+    cpu = {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": "", "VARUNA_NCCL_RULES": "1"}
+    assert transport(ctx, 4).env == cpu
     ctx.device, ctx.gpus = "cuda", 2
     assert transport(ctx, 2).env == {"VARUNA_BACKEND": "nccl"} and transport(ctx, 2).cuda
     shared = transport(ctx, 4)
@@ -114,4 +115,4 @@ def test_each_job_gets_nccl_a_shared_gpu_or_the_gloo_fallback(tmp_path: Path) ->
     ctx.nccl_refused = "NCCL 2.27.5 refuses two ranks on one GPU"
     assert transport(ctx, 2).cuda  # a GPU each: NCCL still
     late = transport(ctx, 4)
-    assert not late.cuda and "fallback" in late.label and late.env["VARUNA_BACKEND"] == "gloo"
+    assert not late.cuda and "fallback" in late.label and late.env == cpu
