@@ -129,6 +129,32 @@ def test_spans_for_both_stages_metrics_and_memory(ctl: JobController) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_bubble_breakdown_of_a_real_step_beside_its_prediction(ctl: JobController) -> None:
+    from varuna.telemetry import compare_step, step_spans
+
+    timeline = ctl.timeline(last_steps=1)
+    spans = step_spans(timeline)
+    assert sorted(spans) == [0, 1] and {sp["kind"] for sp in spans[1]} >= {"F", "B", "W", "recv"}
+    hello = [e for e in ctl.store.events("hello") if e["rank"] == 0][-1]
+    assert (hello["pipeline"], hello["num_microbatches"]) == (2, 8)
+    bubbles = compare_step(spans, hello["schedule"], 2, 8, step=timeline.steps[-1], sees_arrivals=False)
+    for s in (0, 1):
+        measured, predicted = bubbles.measured[s], bubbles.predicted[s]
+        idle = measured["fill_drain_s"] + measured["comm_wait_s"] + measured["imbalance_s"]
+        assert idle == pytest.approx(measured["step_s"] - measured["busy_s"])
+        assert 0 < measured["busy_s"] < measured["step_s"] and 0 < predicted["busy_s"] < predicted["step_s"]
+        assert predicted["busy_s"] == pytest.approx(measured["busy_s"], rel=0.5)  # medians of the same spans
+    # the pipeline's fill and drain are there in both; stage 1 (the last) idles before its first forward
+    assert bubbles.measured[1]["fill_drain_s"] > 0 and bubbles.predicted[1]["fill_drain_s"] > 0
+    assert bubbles.theory == pytest.approx(1 / 9)
+    figures = pytest.importorskip("varuna_widgets.figures")
+    fig = figures.bubble_figure(bubbles)
+    assert [len(t["y"]) for t in fig["data"]] == [4, 4, 4] and fig["layout"]["shapes"][0][
+        "y0"
+    ] == pytest.approx(100 / 9)
+
+
+@pytest.mark.timeout(60)
 def test_checkpoint_command(ctl: JobController) -> None:
     done = ctl.checkpoint(timeout=30)
     assert sorted(e["rank"] for e in done) == [0, 1]

@@ -16,6 +16,9 @@ _WHERE = {
     "StageMemory": "store",
     "StepMetrics": "store",
     "Timeline": "store",
+    "StepBubbles": "bubbles",
+    "compare_step": "bubbles",
+    "step_spans": "bubbles",
 }
 __all__ = sorted(_WHERE)
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

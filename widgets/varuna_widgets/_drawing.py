@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from varuna.controller import JobController
+from varuna.errors import VarunaError
+from varuna.telemetry import Timeline, compare_step, step_spans
 from varuna_widgets import figures
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class _Drawing:
     buttons: dict[str, w.Button]
     slider: w.IntSlider
     timeline_fig: PlotView
+    bubbles_fig: PlotView
     memory_fig: PlotView
     curves_fig: PlotView
     ranks_table: w.HTML
@@ -116,7 +119,7 @@ class _Drawing:
             if ctl is not None:
                 metrics = ctl.step_metrics()
                 self._draw_progress(metrics)
-                self._draw_timeline(ctl, metrics)
+                self._draw_bubbles(ctl, self._draw_timeline(ctl, metrics))
                 self._draw_memory(ctl)
                 self._draw_curves(ctl, metrics)
                 self._draw_ranks(ctl)
@@ -171,7 +174,7 @@ class _Drawing:
         """Rank 0's `hello` of every launch, oldest first."""
         return [e for e in ctl.store.events("hello") if e.get("rank") == 0]
 
-    def _draw_timeline(self, ctl: JobController, metrics: list[Any]) -> None:
+    def _draw_timeline(self, ctl: JobController, metrics: list[Any]) -> Timeline:
         until = None
         steps = ctl.store.span_steps()
         if self.replay_mode and steps:
@@ -187,7 +190,7 @@ class _Drawing:
         timeline = ctl.store.timeline(self.last_steps, until=until)
         key = (timeline.steps, [(r.rank, len(r.spans)) for r in timeline.rows], id(self._prediction))
         if self._seen.get("timeline") == key:
-            return
+            return timeline
         self._seen["timeline"] = key
         traces = figures.timeline_traces(timeline)
         firsts: dict[int, float] = {}
@@ -205,6 +208,36 @@ class _Drawing:
         if self._prediction is not None and not predicted:
             predicted = figures.predicted_traces([])  # keep the legend entries while no step is drawn
         self.timeline_fig.update(data=traces + predicted, layout=layout)
+        return timeline
+
+    def _draw_bubbles(self, ctl: JobController, timeline: Timeline) -> None:
+        """The newest step of `timeline` whose spans came from every stage of replica 0, measured
+        against the simulator (`varuna.telemetry.compare_step`); redrawn when that step changes."""
+        hellos = self._rank0_hellos(ctl)
+        hello = hellos[-1] if hellos else {}
+        p, m, schedule = hello.get("pipeline"), hello.get("num_microbatches"), hello.get("schedule")
+        if not (isinstance(p, int) and isinstance(m, int)):
+            return
+        for step in reversed(timeline.steps):
+            spans = step_spans(timeline, step)
+            if len(spans) == p:
+                break
+        else:
+            return  # no whole step yet: keep what is drawn
+        key = (step, p, m, schedule, [len(v) for v in spans.values()])
+        if self._seen.get("bubbles") == key:
+            return
+        self._seen["bubbles"] = key
+        # gloo (CPU) reports a receive only once it is waited for (`simulate`'s sees_arrivals)
+        sees = not str(hello.get("device") or "cpu").startswith("cpu")
+        try:
+            bubbles = compare_step(spans, str(schedule or "1f1b"), p, m, step=step, sees_arrivals=sees)
+        except VarunaError as exc:  # a step this figure cannot explain: say why, keep drawing the rest
+            title = {"text": f"bubbles: {exc}", "font": {"size": 11}}
+            self.bubbles_fig.update(data=[], layout={"title": title, "shapes": [], "annotations": []})
+            return
+        figure = figures.bubble_figure(bubbles)
+        self.bubbles_fig.update(data=figure["data"], layout=figure["layout"])
 
     def _timeline_title(self, ctl: JobController, steps: list[int], metrics: list[Any]) -> str:
         if not steps:

@@ -6,6 +6,8 @@ Pure functions (no ipywidgets, no plotly import): the tests check them directly 
     timeline  one row per (stage, replica), stage 0 on top; one bar trace per span kind, so a
               refresh replaces a fixed set of arrays instead of adding traces; the gaps are the
               bubbles; a prediction from `varuna.planner.simulator` can be drawn under the measured spans.
+    bubbles   per stage, the measured step's idle time (fill/drain, communication wait, imbalance)
+              stacked beside the simulator's prediction for the schedule that ran, with the theory.
     memory    stacked bars per stage (parameters, gradients, optimizer, activations) + peak marker.
     curves    loss and samples/s against the step, old points thinned; a line where the job was
               relaunched in a new shape.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from varuna.telemetry import StageMemory, StepMetrics, Timeline
+from varuna.telemetry import StageMemory, StepBubbles, StepMetrics, Timeline
 
 __all__ = [
     "SPAN_KINDS",
@@ -30,6 +32,7 @@ __all__ = [
     "relaunch_marks",
     "thin",
     "theoretical_bubble",
+    "bubble_figure",
 ]
 
 SPAN_KINDS = ("F", "B", "W", "R", "send", "recv", "allreduce", "optim")
@@ -204,6 +207,91 @@ def _vline(x: float, *, dash: str, color: str) -> dict[str, Any]:
         "y1": 1,
         "line": {"dash": dash, "width": 1, "color": color},
     }
+
+
+_IDLE_PARTS = (
+    ("fill_drain_s", "fill/drain", "#9ECAE9", "before the stage's first compute and after its last"),
+    ("comm_wait_s", "communication wait", "#E45756", "waiting for activations or gradients"),
+    ("imbalance_s", "stage imbalance", "#EECA3B", "waiting while a slower stage works"),
+)
+
+
+def bubble_figure(bubbles: StepBubbles) -> dict[str, Any]:
+    """The bubble figure: per stage two stacked bars, measured and predicted (hatched), each split
+    into fill/drain, communication wait and imbalance as a percent of the step, and a dashed line
+    at the schedule's theoretical idle share. `bubbles` comes from `varuna.telemetry.bubbles.compare_step`
+    (one step's spans and the schedule, P and M that ran); returns `{"data": [...], "layout": {...}}`.
+    """
+    stages = sorted(bubbles.measured)
+    x: list[list[str]] = [[], []]
+    rows: list[tuple[str, dict[str, float]]] = []
+    for s in stages:
+        for which, parts in (("measured", bubbles.measured), ("predicted", bubbles.predicted)):
+            x[0].append(f"stage {s}")
+            x[1].append(which)
+            rows.append((which, parts.get(s, {})))
+    traces = []
+    for key, name, color, meaning in _IDLE_PARTS:
+        y, custom = [], []
+        for (which, part), stage in zip(rows, x[0]):
+            step_s = part.get("step_s") or 0.0
+            idle = step_s - part.get("busy_s", 0.0)
+            y.append(round(100 * part.get(key, 0.0) / step_s, 3) if step_s else None)
+            custom.append(
+                [f"{stage} {which}", round(part.get(key, 0.0) * 1e3, 3), round(step_s * 1e3, 3),
+                 round(100 * idle / step_s, 2) if step_s else 0.0]
+            )  # fmt: skip
+        traces.append(
+            {
+                "type": "bar",
+                "name": name,
+                "x": x,
+                "y": y,
+                "customdata": custom,
+                "marker": _marker(color, ["/" if w == "predicted" else "" for w in x[1]]),
+                "hovertemplate": f"%{{customdata[0]}}<br>{name}: %{{y:.1f}}% of the step "
+                "(%{customdata[1]:.2f} of %{customdata[2]:.2f} ms)"
+                f"<br>{meaning}<br>idle in all: %{{customdata[3]:.1f}}%<extra></extra>",
+            }
+        )
+    theory = 100 * bubbles.theory
+    where = f"{bubbles.schedule}, P={bubbles.pipeline}, M={bubbles.microbatches}"
+    step = "" if bubbles.step is None else f"step {bubbles.step}: "
+    layout = {
+        "barmode": "stack",
+        "title": {
+            "text": f"{step}idle share per stage, measured vs predicted ({where})",
+            "font": {"size": 13},
+        },
+        "xaxis": {"type": "multicategory"},
+        "yaxis": {"title": {"text": "% of the step"}, "rangemode": "tozero"},
+        "shapes": [
+            {
+                "type": "line",
+                "xref": "paper",
+                "yref": "y",
+                "x0": 0,
+                "x1": 1,
+                "y0": theory,
+                "y1": theory,
+                "line": {"dash": "dash", "width": 1.5, "color": "#333"},
+            }
+        ],  # fmt: skip
+        "annotations": [
+            {
+                "xref": "paper",
+                "yref": "y",
+                "x": 1,
+                "y": theory,
+                "xanchor": "right",
+                "yanchor": "bottom",
+                "showarrow": False,
+                "text": f"theory {theory:.1f}% ({where})",
+                "font": {"size": 11},
+            }
+        ],  # fmt: skip
+    }
+    return {"data": traces, "layout": layout}
 
 
 def memory_traces(memory: Sequence[StageMemory]) -> list[dict[str, Any]]:

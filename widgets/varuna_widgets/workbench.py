@@ -16,7 +16,7 @@ resize never blocks the kernel; the state line always says where the job is.
 DOM contract (the browser test relies on it): buttons labelled "Start", "Checkpoint", "Resize",
 "Resume", "Stop", "Export trace"; IntText "P", "D", "GPUs"; the state line has class
 `varuna-state` and reads "state: ..."; the figures have classes `varuna-timeline`,
-`varuna-memory`, `varuna-curves`; the ranks table `varuna-ranks`; the straggler panel's (button
+`varuna-bubbles`, `varuna-memory`, `varuna-curves`; the ranks table `varuna-ranks`; the straggler panel's (button
 "Exclude host", figure `varuna-stragglers`) are in `varuna_widgets.stragglers`.
 """
 
@@ -153,6 +153,16 @@ class Workbench(_Drawing):
             },
         )
         self.timeline_fig.add_class("varuna-timeline")
+        self.bubbles_fig = PlotView(
+            data=[],
+            layout={
+                "height": 300,
+                "title": {"text": "bubbles: waiting for a whole step's spans", "font": {"size": 13}},
+                "margin": {"l": 60, "r": 20, "t": 40, "b": 60},
+                "legend": {"orientation": "h", "y": -0.3},
+            },
+        )
+        self.bubbles_fig.add_class("varuna-bubbles")
         self.memory_fig = PlotView(
             data=figures.memory_traces([]),
             layout={
@@ -193,6 +203,7 @@ class Workbench(_Drawing):
                 self.message,
                 self.problems,
                 self.timeline_fig,
+                self.bubbles_fig,
                 w.HBox(
                     [self.memory_fig, self.curves_fig],
                     layout=w.Layout(display="grid", grid_template_columns="1fr 1fr"),
