@@ -165,6 +165,7 @@ class Varuna:
             cfg.engine.num_microbatches,
             recompute=cfg.engine.recompute,
             split_backward=cfg.engine.split_backward,
+            costs=_stage.action_costs(self.partition) if spec.timed_order else None,  # zb-v fits its order
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]

@@ -124,6 +124,21 @@ def _segment_costs(
     return [float(c) for c in box[0]]
 
 
+def action_costs(partition: Partition) -> list[tuple[float, float, float]] | None:
+    """Each virtual stage's (F, B, W) seconds from the profiled segment costs (forward + backward),
+    split as the simulator splits them (`StageCost`); None without a profile (given boundaries)."""
+    from varuna.planner.simulator import StageCost
+
+    if partition.segment_costs is None:
+        return None
+    out = []
+    for v in range(partition.num_stages):
+        c = max(sum(partition.segment_costs[j] for j in partition.stage_segments(v)), 1e-9)
+        cost = StageCost(forward_s=c / 3, backward_s=2 * c / 3)
+        out.append((cost.seconds("F"), cost.seconds("B", split=True), cost.seconds("W")))
+    return out
+
+
 def strip(
     model: nn.Module, owned: set[str], device: torch.device, traced: dict[str, dict[Any, Any]] | None = None
 ) -> None:

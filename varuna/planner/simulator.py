@@ -192,9 +192,13 @@ def simulate(
         >>> t.step_s, t.bubble_fraction
         (9.0, 0.33333333333333337)
     """
+    spec = schedule_spec(schedule_name)  # zb-v: the order the engine runs, fitted to the costs
+    costs = [(c.seconds("F"), c.seconds("B", split=True), c.seconds("W")) for c in stage_costs]
+    fit = spec.timed_order and len(costs) == num_stages * spec.chunks_per_rank and min(map(min, costs)) > 0
     schedule = build_schedule(
-        schedule_name, num_stages, num_microbatches, recompute=recompute, split_backward=split_backward
-    )
+        schedule_name, num_stages, num_microbatches, recompute=recompute, split_backward=split_backward,
+        costs=costs if fit else None,
+    )  # fmt: skip
     return simulate_lowered(
         schedule,
         stage_costs,
@@ -205,7 +209,7 @@ def simulate(
         sharing=sharing,
         message_s=message_s,
         sees_arrivals=sees_arrivals,
-        opportunistic=schedule_spec(schedule_name).pull_ahead if opportunistic is None else opportunistic,
+        opportunistic=spec.pull_ahead if opportunistic is None else opportunistic,
         name=schedule_name,
         num_microbatches=num_microbatches,
     )

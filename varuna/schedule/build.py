@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
-from varuna.schedule.actions import Schedule, check_sizes
+import functools
+from collections.abc import Callable, Sequence
+
+from varuna.schedule.actions import Action, Schedule, check_sizes
 from varuna.schedule.check import validate
+from varuna.schedule.chunked import Costs
 from varuna.schedule.orders import ScheduleName, schedule_spec
 from varuna.schedule.passes import add_recompute, lower, split_backwards
 
@@ -18,11 +22,13 @@ def build_schedule(
     *,
     recompute: bool | None = None,
     split_backward: bool = True,
+    costs: Sequence[Costs] | None = None,
 ) -> Schedule:
     """The lowered, validated action lists the runtime executes and the simulator times (compute,
     recompute, communication, all-reduce, split backward): the one place they are assembled."""
     spec = schedule_spec(name)
-    lowered = lower(make_schedule(name, num_stages, num_microbatches, recompute=recompute))  # type: ignore[arg-type]
+    made = make_schedule(name, num_stages, num_microbatches, recompute=recompute, costs=costs)  # type: ignore[arg-type]
+    lowered = lower(made)
     if split_backward and spec.split_backward:
         lowered = split_backwards(lowered)
     validate(lowered, num_stages, num_microbatches, chunks=spec.chunks_per_rank, placement=spec.placement)
@@ -30,19 +36,29 @@ def build_schedule(
 
 
 def make_schedule(
-    name: ScheduleName, num_stages: int, num_microbatches: int, *, recompute: bool | None = None
+    name: ScheduleName,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    recompute: bool | None = None,
+    costs: Sequence[Costs] | None = None,
 ) -> Schedule:
     """Return each stage's compute order (F, B, R) for one step of schedule `name`.
 
     `recompute=None` means the schedule's default (`ScheduleSpec.recompute`); when True, every
-    non-last stage recomputes micro-batch m (`R`) immediately before its backward `B`.
+    non-last stage recomputes micro-batch m (`R`) immediately before its backward `B`. `costs` (per
+    virtual stage: seconds of F, B and W) fit the order of a schedule with `timed_order` to them;
+    others ignore it.
 
         >>> [str(a) for a in make_schedule("1f1b", 2, 4)[0]]
         ['0F0', '0F1', '0B0', '0F2', '0B1', '0F3', '0B2', '0B3']
     """
     spec = schedule_spec(name)
     check_sizes(num_stages, num_microbatches)
-    schedule: Schedule = {s: spec.order(s, num_stages, num_microbatches) for s in range(num_stages)}
+    order: Callable[..., list[Action]] = spec.order
+    if costs is not None and spec.timed_order:
+        order = functools.partial(spec.order, costs=costs)  # type: ignore[call-arg]
+    schedule: Schedule = {s: order(s, num_stages, num_microbatches) for s in range(num_stages)}
     if recompute is None:
         recompute = spec.recompute
     last = num_stages * spec.chunks_per_rank - 1

@@ -15,6 +15,8 @@ stays on one rank), and the middle of the pipeline turns on the last rank withou
 from __future__ import annotations
 
 import functools
+import heapq
+from collections.abc import Sequence
 from typing import Literal
 
 from varuna.errors import ScheduleError
@@ -31,6 +33,8 @@ __all__ = [
 ]
 
 Placement = Literal["loop", "v"]
+Costs = tuple[float, float, float]
+"""One virtual stage's seconds per micro-batch: F, the input half B of its backward, and W."""
 
 
 def rank_of(stage: int, num_ranks: int, chunks: int, placement: Placement = "loop") -> int:
@@ -83,17 +87,28 @@ def interleaved_order(rank: int, num_ranks: int, num_microbatches: int, chunks: 
     return actions
 
 
-def zb_v_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+def zb_v_order(
+    rank: int, num_ranks: int, num_microbatches: int, costs: Sequence[Costs] | None = None
+) -> list[Action]:
     """ZB-V ("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024): two chunks per rank in the V
     placement, every backward split into B (input gradient) and W (weight gradients).
 
-    Made by list scheduling with unit costs (F = B = W = 1, free communication): tick by tick, each
-    rank runs the ready B of its deepest chunk first (the previous stage waits for it), else the
-    ready F of its deepest chunk while it holds fewer than 2P chunk-activations (1F1B's peak on the
-    first rank), else a W (nobody waits for it). The unit-cost timeline is a witness that the lists
-    cannot deadlock; `validate` checks it again. Virtual stage 0's backward stays whole (nothing
-    waits for its input gradient)."""
+    Made by list scheduling: each time a rank is free, it runs the ready B of its deepest chunk first
+    (the previous stage waits for it), else the ready F of its deepest chunk while it holds fewer
+    than 2P chunk-activations (1F1B's peak on the first rank), else a W (nobody waits for it).
+    Without `costs` every action costs one tick and communication is free; the timeline is a
+    witness that the lists cannot deadlock, and `validate` checks them again. With `costs` (per
+    virtual stage: the seconds of F, of the input half B and of W) the same rules run on those times:
+    where the chunks differ (a light embedding chunk beside the head's, both on rank 0) the
+    unit-cost order leaves the first rank waiting, 16% of a P=2, M=8 step with chunks of 0.6, 1, 1
+    and 1.4, and the timed one about 1% (`tests/unit/test_zb_v_costs.py`). If the timed rules find
+    no order within 2P activations, the unit-cost one is used. Virtual stage 0's backward stays
+    whole (nothing waits for its input gradient)."""
     p, m = num_ranks, num_microbatches
+    if costs is not None:
+        timed = _best_timed(p, m, _checked(costs, 2 * p))
+        if timed is not None:
+            return timed[rank]
     return _list_schedule(p, m, cap=2 * p)[0][rank]
 
 
@@ -165,4 +180,93 @@ def _list_schedule(p: int, m: int, cap: int) -> tuple[list[list[Action]], int]:
         tick += 1
         if tick > 10 * (2 * n * m + n):
             raise ScheduleError(f"zb-v: no schedule with at most {cap} activations per rank for P={p}, M={m}")
+    return out, max(free_at)
+
+
+def _checked(costs: Sequence[Costs], n: int) -> tuple[Costs, ...]:
+    out = tuple((float(f), float(b), float(w)) for f, b, w in costs)
+    if len(out) != n or any(c <= 0 for t in out for c in t):
+        raise ScheduleError(
+            f"zb-v costs need {n} (F, B, W) triples of positive seconds (one per virtual stage), got {list(costs)}"
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _best_timed(p: int, m: int, costs: tuple[Costs, ...]) -> list[list[Action]] | None:
+    """The shortest of the timed orders that keep `reserve` = 0..P of a rank's 2P activation slots
+    for its deeper chunk (a first chunk filling them all can starve the deep one: no order)."""
+    found = [_timed_list_schedule(p, m, 2 * p, costs, reserve) for reserve in range(p + 1)]
+    done = [f for f in found if f is not None]
+    return min(done, key=lambda f: f[1])[0] if done else None
+
+
+def _timed_list_schedule(
+    p: int, m: int, cap: int, costs: tuple[Costs, ...], reserve: int
+) -> tuple[list[list[Action]], float] | None:
+    """`_list_schedule`'s rules on the given times, a shallow chunk's F only while the rank holds
+    fewer than `cap - reserve` activations; (lists, step length), or None if they get stuck."""
+    n = 2 * p
+    owner = [rank_of(v, p, 2, "v") for v in range(n)]
+    mine = [sorted((v for v in range(n) if owner[v] == r), reverse=True) for r in range(p)]
+    done_at: dict[tuple[str, int, int], float] = {}
+    next_f, next_b = [0] * n, [0] * n
+    pending_w: list[list[int]] = [[] for _ in range(n)]
+    held, free_at = [0] * p, [0.0] * p
+    out: list[list[Action]] = [[] for _ in range(p)]
+    left = 3 * n * m - m  # stage 0's backward is one action
+
+    def ended(key: tuple[str, int, int], t: float) -> bool:
+        return key in done_at and done_at[key] <= t
+
+    def pick(r: int, t: float) -> Action | None:
+        for v in mine[r]:
+            b = next_b[v]
+            if b < next_f[v] and ended(("F", v, b), t) and (v == n - 1 or ended(("B", v + 1, b), t)):
+                return Action(v, "B", b)
+        for v in mine[r]:
+            f = next_f[v]
+            if held[r] < cap - (reserve if v < p else 0) and f < m and (v == 0 or ended(("F", v - 1, f), t)):
+                return Action(v, "F", f)
+        for v in mine[r]:
+            if pending_w[v] and ended(("B", v, pending_w[v][0]), t):
+                return Action(v, WEIGHT_KIND, pending_w[v][0])
+        return None
+
+    events, now = [0.0], 0.0  # start times never go back: nothing new is ready before the last one
+    while left:
+        started = None
+        while events and started is None:
+            t = events[0]
+            if t >= now:
+                for r in range(p):
+                    if free_at[r] <= t and (a := pick(r, t)) is not None:
+                        started = (r, t, a)
+                        break
+            if started is None:
+                heapq.heappop(events)
+        if started is None:
+            return None
+        r, t, a = started
+        v, mb = a.stage, a.microbatch
+        assert mb is not None
+        f, b, w = costs[v]
+        cost = f if a.kind == "F" else (b + w if v == 0 else b) if a.kind == "B" else w
+        out[r].append(a)
+        done_at[(a.kind, v, mb)] = free_at[r] = t + cost
+        heapq.heappush(events, t + cost)
+        now = t
+        left -= 1
+        if a.kind == "F":
+            next_f[v] += 1
+            held[r] += 1
+        elif a.kind == "B":
+            next_b[v] += 1
+            if v == 0:
+                held[r] -= 1
+            else:
+                pending_w[v].append(mb)
+        else:
+            pending_w[v].pop(0)
+            held[r] -= 1
     return out, max(free_at)

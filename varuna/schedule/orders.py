@@ -97,6 +97,9 @@ class ScheduleSpec:
     """Model chunks a rank holds (virtual stages): the model is cut into P x chunks_per_rank stages."""
     placement: Placement = "loop"
     """Which rank holds which virtual stage (`varuna.schedule.chunked`)."""
+    timed_order: bool = False
+    """`order` also takes ``costs`` (per virtual stage: seconds of F, B, W) and fits the order to
+    them (`make_schedule(..., costs=)`; the engine passes its profiled stage costs)."""
     rounds: bool = False
     """Micro-batches go through the ranks in rounds of P: M must be a multiple of P."""
     about: str = ""
@@ -141,6 +144,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         bubble=zb_v_bubble,
         chunks_per_rank=2,
         placement="v",
+        timed_order=True,
         about="ZB-V: two chunks per rank in a V, backwards split into B and W; 1F1B's peak memory",
     ),
 }

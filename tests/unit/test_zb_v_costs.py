@@ -1,0 +1,68 @@
+"""zb-v's order fitted to the stages' costs: valid, no more activations than 2P, and much less idle
+than the unit-cost order where the chunks differ (a light embedding chunk, a heavy head)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from varuna.errors import ScheduleError
+from varuna.planner.simulator import StageCost, simulate, simulate_lowered
+from varuna.schedule import build_schedule
+from varuna.schedule.actions import WEIGHT_KIND
+from varuna.schedule.chunked import zb_v_order
+
+
+def _costs(work: list[float]) -> list[StageCost]:
+    return [StageCost(forward_s=c / 3, backward_s=2 * c / 3) for c in work]
+
+
+def _triples(costs: list[StageCost]) -> list[tuple[float, float, float]]:
+    return [(c.seconds("F"), c.seconds("B", split=True), c.seconds("W")) for c in costs]
+
+
+def _idle(step_s: float, costs: list[StageCost], p: int, m: int) -> float:
+    return 1 - sum(map(sum, _triples(costs))) * m / p / step_s
+
+
+@pytest.mark.parametrize(("work", "unit_above", "timed_below"), [
+    ([0.6, 1.0, 1.0, 1.4], 0.14, 0.05),
+    ([0.5, 1.1, 0.9, 1.5], 0.14, 0.05),
+    ([1.0, 1.0, 1.0, 1.0], 0.05, 0.04),
+])  # fmt: skip
+def test_the_timed_order_leaves_the_first_rank_less_idle(work, unit_above, timed_below) -> None:
+    p, m, costs = 2, 8, _costs(work)
+    timed = simulate("zb-v", p, m, costs, split_backward=True)  # the simulator fits it as the engine does
+    unit = simulate_lowered(build_schedule("zb-v", p, m), costs, name="zb-v", num_microbatches=m, in_order=False)
+    assert _idle(unit.step_s, costs, p, m) > unit_above
+    assert _idle(timed.step_s, costs, p, m) < timed_below
+    assert timed.step_s < unit.step_s
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_timed_orders_are_valid_and_hold_at_most_2p_activations(p: int) -> None:
+    rng = random.Random(p)
+    for m in (p, 2 * p, 8):
+        for _ in range(5):
+            costs = _triples(_costs([rng.uniform(0.3, 1.7) for _ in range(2 * p)]))
+            build_schedule("zb-v", p, m, costs=costs)  # validates: every action once, no deadlock
+            for r in range(p):
+                held = peak = 0
+                for a in zb_v_order(r, p, m, costs):
+                    whole = a.kind == "B" and a.stage == 0
+                    held += 1 if a.kind == "F" else -1 if (a.kind == WEIGHT_KIND or whole) else 0
+                    peak = max(peak, held)
+                assert held == 0 and peak <= 2 * p
+
+
+def test_costs_of_the_wrong_shape_are_refused() -> None:
+    with pytest.raises(ScheduleError, match=r"zb-v costs need 4 \(F, B, W\) triples"):
+        zb_v_order(0, 2, 4, [(1.0, 1.0, 1.0)] * 3)
+    with pytest.raises(ScheduleError, match="positive seconds"):
+        zb_v_order(0, 2, 4, [(1.0, 0.0, 1.0)] * 4)
+
+
+def test_other_schedules_ignore_costs() -> None:
+    costs = _triples(_costs([0.6, 1.4]))
+    assert build_schedule("1f1b", 2, 4, costs=costs) == build_schedule("1f1b", 2, 4)
