@@ -34,7 +34,9 @@ def _idle(step_s: float, costs: list[StageCost], p: int, m: int) -> float:
 def test_the_timed_order_leaves_the_first_rank_less_idle(work, unit_above, timed_below) -> None:
     p, m, costs = 2, 8, _costs(work)
     timed = simulate("zb-v", p, m, costs, split_backward=True)  # the simulator fits it as the engine does
-    unit = simulate_lowered(build_schedule("zb-v", p, m), costs, name="zb-v", num_microbatches=m, in_order=False)
+    unit = simulate_lowered(
+        build_schedule("zb-v", p, m), costs, name="zb-v", num_microbatches=m, in_order=False
+    )
     assert _idle(unit.step_s, costs, p, m) > unit_above
     assert _idle(timed.step_s, costs, p, m) < timed_below
     assert timed.step_s < unit.step_s
