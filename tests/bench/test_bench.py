@@ -10,6 +10,8 @@ import math
 import pytest
 from _helpers import run_bench
 
+from varuna.schedule import schedule_spec
+
 pytestmark = pytest.mark.multirank
 
 
@@ -50,13 +52,14 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
             assert r["paired_with"] in paired and len(r["step_s"]) == steps
             continue
         assert len(r["step_s"]) == steps
-        # both systems, every schedule with as many chunks per rank, are cut at the same boundaries
-        chunks = 2 if r["schedule"] in ("interleaved-1f1b", "zb-v") else 1
-        assert len(r["boundaries"]) == chunks * r["pipeline"] - 1
+        # both systems, every schedule of the same layout (chunks per rank and their placement), are
+        # cut at the same boundaries
+        spec = schedule_spec(r["schedule"])
+        assert len(r["boundaries"]) == spec.chunks_per_rank * r["pipeline"] - 1
         same = [
             o
             for o in report["results"]
-            if o["system"] != "single" and len(o["boundaries"]) == len(r["boundaries"])
+            if o["system"] != "single" and o["pipeline"] == r["pipeline"] and _layout(o) == _layout(r)
         ]
         assert all(o["boundaries"] == r["boundaries"] for o in same)
         if r["schedule"] == "varuna":
@@ -112,3 +115,8 @@ def test_share_of_ideal() -> None:
     # one process takes 9 s for the batch; 2 stages, 8 micro-batches: ideal step 9 / 2 * 9 / 8 s
     assert share_of_ideal(9 / 2 * 9 / 8, 9.0, 2, 8) == pytest.approx(1.0)
     assert share_of_ideal(2 * 9 / 2 * 9 / 8, 9.0, 2, 8) == pytest.approx(0.5)  # twice as slow
+
+
+def _layout(record: dict) -> tuple[int, str | None]:
+    spec = schedule_spec(record["schedule"])
+    return spec.chunks_per_rank, spec.placement if spec.chunks_per_rank > 1 else None

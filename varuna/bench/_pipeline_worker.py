@@ -201,10 +201,21 @@ def _chunks(schedule: str) -> int:
     return schedule_spec(schedule).chunks_per_rank
 
 
+def _layout(schedule: str) -> str:
+    """Chunks per rank and their placement: schedules sharing it share boundaries (interleaved's,
+    balanced for its loop placement, would leave zb-v's V ranks uneven)."""
+    from varuna.schedule import schedule_spec
+
+    spec = schedule_spec(schedule)
+    return (
+        f"{spec.chunks_per_rank}" if spec.chunks_per_rank == 1 else f"{spec.chunks_per_rank}-{spec.placement}"
+    )
+
+
 def _partition(spec: dict[str, Any], schedule: str) -> Any:
-    """The boundaries the first engine with this many chunks per rank chose, else the spec's
-    partition (one chunk per rank) or "balanced"."""
-    chosen = spec.get("boundaries_by_chunks", {}).get(str(_chunks(schedule)))
+    """The boundaries the first engine with this layout (chunks per rank, placement) chose, else the
+    spec's partition (one chunk per rank) or "balanced"."""
+    chosen = spec.get("boundaries_by_chunks", {}).get(_layout(schedule))
     if chosen is not None:
         return chosen
     return spec.get("partition", "balanced") if _chunks(schedule) == 1 else "balanced"
@@ -280,7 +291,7 @@ class _TorchRunner:
         self.first, self.last = 0 in held, n - 1 in held
         units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
         gpt = _model(spec["model"])
-        bounds = spec["boundaries_by_chunks"][str(sched.chunks_per_rank)]
+        bounds = spec["boundaries_by_chunks"][_layout(name)]
         self.modules = [
             _Stage(gpt, _stage_units(bounds, v, units), first=v == 0, last=v == n - 1) for v in held
         ]
@@ -356,12 +367,10 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
             runner = _VarunaRunner(spec, name, batches[0])
             engine = runner.engine
             chosen = spec.setdefault("boundaries_by_chunks", {})
-            if str(_chunks(name)) not in chosen:  # the first engine chose them: every other system uses them
-                chosen[str(_chunks(name))] = list(engine.partition.boundaries)
+            if _layout(name) not in chosen:  # the first engine chose them: every other system uses them
+                chosen[_layout(name)] = list(engine.partition.boundaries)
                 if rank == 0:
-                    _log(
-                        f"P={P}, {_chunks(name)} chunk(s) per rank: boundaries {list(engine.partition.boundaries)}"
-                    )
+                    _log(f"P={P}, layout {_layout(name)}: boundaries {list(engine.partition.boundaries)}")
             systems["varuna"] = runner
         if name in torch_schedules:
             systems["torch.pipelining"] = _TorchRunner(spec, name)
@@ -410,7 +419,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "pipeline": P,
                 "microbatches": M,
                 **_summary(slowest[system], [r["systems"][system]["cpu_s"] for r in every], spec),
-                "boundaries": spec["boundaries_by_chunks"][str(_chunks(name))],
+                "boundaries": spec["boundaries_by_chunks"][_layout(name)],
                 "step_peak_bytes_per_stage": [r["peaks"][system] for r in every],
             }
             if system == "varuna":

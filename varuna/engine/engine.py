@@ -132,6 +132,7 @@ class Varuna:
         self.partition = _stage.partition(
             model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast,
             num_stages=P * spec.chunks_per_rank, owners=[rank_of(v) for v in range(P * spec.chunks_per_rank)],
+            timed=spec.timed_order,
         )  # fmt: skip
         owned = {n for v in self.chunk_stages for n in self.partition.stage_params[v]}
         _stage.strip(model, owned, self.device, traced)

@@ -65,10 +65,12 @@ def partition(
     autocast: Callable[[], AbstractContextManager[object]],
     num_stages: int | None = None,
     owners: Sequence[int] | None = None,
+    timed: bool = False,
 ) -> Partition:
     """The stages `config.engine.partition` asks for: given boundaries, or balanced by measured costs;
     `num_stages`: the virtual stages (P x chunks per rank; default P), `owners` the rank of each
-    (then the ranks' loads are balanced: `balance_ranks`)."""
+    (then the ranks' loads are balanced: `balance_ranks`). `timed`: measure the costs with given
+    boundaries too (a schedule whose order fits them: `ScheduleSpec.timed_order`)."""
     num_stages = config.engine.pipeline if num_stages is None else num_stages
     boundaries = None if isinstance(config.engine.partition, str) else list(config.engine.partition)
     costs = None
@@ -79,6 +81,10 @@ def partition(
         )
         if owners is not None and len(owners) > config.engine.pipeline:  # several chunks per rank
             boundaries = list(balance_ranks(costs, owners))
+    elif timed and num_stages > 1 and micro is not None:
+        costs = _segment_costs(
+            model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
+        )
     return make_partition(
         trace,
         num_stages,
