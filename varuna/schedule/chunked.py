@@ -124,63 +124,12 @@ def interleaved_bubble(num_ranks: int, num_microbatches: int, chunks: int = 2) -
 
 
 @functools.lru_cache(maxsize=256)
-def _list_schedule(p: int, m: int, cap: int) -> tuple[list[list[Action]], int]:
-    n = 2 * p
-    owner = [rank_of(v, p, 2, "v") for v in range(n)]
-    mine = [sorted((v for v in range(n) if owner[v] == r), reverse=True) for r in range(p)]  # deepest first
-    done_at: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> the tick it ends
-    next_f, next_b = [0] * n, [0] * n
-    pending_w: list[list[int]] = [[] for _ in range(n)]
-    held, free_at = [0] * p, [0] * p
-    out: list[list[Action]] = [[] for _ in range(p)]
-    remaining = 3 * n * m
-
-    def ended(key: tuple[str, int, int], tick: int) -> bool:
-        return key in done_at and done_at[key] <= tick
-
-    def pick(r: int, tick: int) -> Action | None:
-        for v in mine[r]:  # a B: the previous stage waits for it
-            b = next_b[v]
-            if b < next_f[v] and ended(("F", v, b), tick) and (v == n - 1 or ended(("B", v + 1, b), tick)):
-                return Action(v, "B", b)
-        if held[r] < cap:  # an F
-            for v in mine[r]:
-                f = next_f[v]
-                if f < m and (v == 0 or ended(("F", v - 1, f), tick)):
-                    return Action(v, "F", f)
-        for v in mine[r]:  # a W: nobody waits for it
-            if pending_w[v] and ended(("B", v, pending_w[v][0]), tick):
-                return Action(v, WEIGHT_KIND, pending_w[v][0])
-        return None
-
-    tick = 0
-    while remaining:
-        for r in range(p):
-            a = None if free_at[r] > tick else pick(r, tick)
-            if a is None:
-                continue
-            v, mb = a.stage, a.microbatch
-            assert mb is not None
-            cost = 2 if a.kind == "B" and v == 0 else 1  # stage 0's backward is whole: W in it
-            out[r].append(a)
-            done_at[(a.kind, v, mb)] = free_at[r] = tick + cost
-            remaining -= cost
-            if a.kind == "F":
-                next_f[v] += 1
-                held[r] += 1
-            elif a.kind == "B":
-                next_b[v] += 1
-                if v == 0:
-                    held[r] -= 1
-                else:
-                    pending_w[v].append(mb)
-            else:
-                pending_w[v].pop(0)
-                held[r] -= 1
-        tick += 1
-        if tick > 10 * (2 * n * m + n):
-            raise ScheduleError(f"zb-v: no schedule with at most {cap} activations per rank for P={p}, M={m}")
-    return out, max(free_at)
+def _list_schedule(p: int, m: int, cap: int) -> tuple[list[list[Action]], float]:
+    """The unit-cost order (F = B = W = 1: stage 0's whole backward 2) and its length."""
+    found = _timed_list_schedule(p, m, cap, ((1.0, 1.0, 1.0),) * (2 * p), 0)
+    if found is None:
+        raise ScheduleError(f"zb-v: no schedule with at most {cap} activations per rank for P={p}, M={m}")
+    return found
 
 
 def _checked(costs: Sequence[Costs], n: int) -> tuple[Costs, ...]:
