@@ -74,17 +74,16 @@ def partition(
     num_stages = config.engine.pipeline if num_stages is None else num_stages
     boundaries = None if isinstance(config.engine.partition, str) else list(config.engine.partition)
     costs = None
-    if boundaries is None and config.engine.partition == "balanced" and num_stages > 1:
+    balanced = boundaries is None and config.engine.partition == "balanced"
+    if (balanced or (timed and boundaries is not None)) and num_stages > 1:
         assert micro is not None  # pipeline > 1 always traces an example micro-batch
         costs = _segment_costs(
             model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
         )
-        if owners is not None and len(owners) > config.engine.pipeline:  # several chunks per rank
+        if (
+            balanced and owners is not None and len(owners) > config.engine.pipeline
+        ):  # several chunks per rank
             boundaries = list(balance_ranks(costs, owners))
-    elif timed and num_stages > 1 and micro is not None:
-        costs = _segment_costs(
-            model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
-        )
     return make_partition(
         trace,
         num_stages,
