@@ -55,8 +55,10 @@ bench: install
 # DEVICE=cpu runs the same jobs on gloo.
 DEVICE ?= auto
 GPU_REPORT ?= runs/gpu-check.json
+# NCCL_LIB=/path/libnccl.so.2: preload a newer NCCL than torch's (2.30+ lets ranks share a GPU)
+NCCL_LIB ?=
 gpu-check: install
-	OMP_NUM_THREADS=1 $(BIN)/python tests/gpu/run_gpu_checks.py --device $(DEVICE) --out $(GPU_REPORT)
+	$(if $(NCCL_LIB),LD_PRELOAD=$(abspath $(NCCL_LIB)) )OMP_NUM_THREADS=1 $(BIN)/python tests/gpu/run_gpu_checks.py --device $(DEVICE) --out $(GPU_REPORT)
 
 # JupyterLab on loopback, with a fresh token (printed in the URL), on the quickstart notebook.
 lab: install
