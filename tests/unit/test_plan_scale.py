@@ -167,6 +167,27 @@ def test_hosts_make_crossing_transfers_and_reduces_slower() -> None:
         Cluster(gpus_per_host=8, inter_bandwidth_Bps=0)
 
 
+def test_two_chunks_per_rank_are_priced_by_host() -> None:
+    """The multi-chunk pricing goes through `Links`: on one host (or without a cluster) it is the
+    profile's network as before; with a rank per host every non-local virtual boundary, interleaved's
+    wrap from the last rank back to the first too, crosses hosts and the step gets longer."""
+    from varuna.planner.chunked import chunked_candidate
+
+    table = varied_table()
+    for schedule in ("interleaved-1f1b", "zb-v"):
+        args = (table, 2, 2, 2, schedule, False, 32)
+        plain = chunked_candidate(*args)  # type: ignore[arg-type]
+        one_host = chunked_candidate(*args, cluster=Cluster(gpus_per_host=8))  # type: ignore[arg-type]
+        spread = chunked_candidate(*args, cluster=Cluster(gpus_per_host=1, inter_bandwidth_Bps=1e8))  # type: ignore[arg-type]
+        assert one_host.predicted_step_s == plain.predicted_step_s
+        assert spread.predicted_step_s > 1.2 * plain.predicted_step_s
+    net = NetworkCost(p2p_latency_s=5e-6, p2p_bandwidth_Bps=150e9)
+    links = Links(net, Cluster(gpus_per_host=2), 2, 2)
+    assert not links.crosses(1, to=0)  # positions 0 and 1 share a host
+    wide = Links(net, Cluster(gpus_per_host=1), 2, 1)
+    assert wide.crosses(1, to=0) and wide.p2p(1, 2**20, to=0) > links.p2p(1, 2**20, to=0)
+
+
 def test_limits_name_memory_when_a_shallower_pipeline_does_not_fit() -> None:
     result = plan(paper_table(PaperGPT(n_layer=8, d_model=2048, seq=1024)), gpus=8, memory_bytes="8GiB",
                   global_batch_size=64)  # fmt: skip

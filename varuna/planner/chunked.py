@@ -4,6 +4,7 @@ P x V virtual stages, simulated by rank, with memory and reductions summed over 
 from __future__ import annotations
 
 from varuna.cut.partition import balance_ranks
+from varuna.planner.cluster import Cluster, Links
 from varuna.planner.costs import STEP_ALLREDUCE_BYTES, CostTable
 from varuna.planner.result import Candidate
 from varuna.planner.sharing import Sharing
@@ -39,9 +40,10 @@ def chunked_candidate(
     global_batch_size: int,
     boundaries: tuple[int, ...] | None = None,
     split_backward: bool = True,
+    cluster: Cluster | None = None,
 ) -> Candidate:
     """The planner's candidate for a multi-chunk schedule: one step simulated from the profile (see
-    the module docstring)."""
+    the module docstring); `cluster` prices transfers and all-reduces by host (`Links`)."""
     spec = schedule_spec(schedule)
     segs = table.segments
     virtual = pipeline * spec.chunks_per_rank
@@ -61,18 +63,18 @@ def chunked_candidate(
         for r in stages
     ]
     net = table.network
-    world = pipeline * data
+    links = Links(net, cluster, pipeline, data)
     local = [rank[v] == rank[v + 1] for v in range(virtual - 1)]  # a hand-off on one rank: free
     comm = [
-        0.0 if local[v] else net.p2p_time(segs[stages[v][-1]].activation_bytes[mbs])
+        0.0 if local[v] else links.p2p(rank[v], segs[stages[v][-1]].activation_bytes[mbs], to=rank[v + 1])
         for v in range(virtual - 1)
     ]
     held = [[j for v in range(virtual) if rank[v] == p for j in stages[v]] for p in range(pipeline)]
-    reduce = [net.allreduce_time(sum(segs[j].grad_bytes for j in js), data, world=world) for js in held]
+    reduce = [links.stage_allreduce(p, sum(segs[j].grad_bytes for j in js)) for p, js in enumerate(held)]
     update = [sum(segs[j].update_s for j in js) for js in held]
     first, last = rank[0], rank[-1]
-    if pipeline > 1 and table.tied_bytes and first != last:
-        tied = net.allreduce_time(table.tied_bytes, 2 * data, world=world)
+    if pipeline > 1 and table.tied_bytes and first != last:  # loop placement: ranks 0 and P-1
+        tied = links.tied_allreduce(table.tied_bytes)
         reduce[first] += tied
         reduce[last] += tied
         update[last] += segs[0].update_s * table.tied_bytes / max(segs[0].param_bytes, 1)
@@ -83,10 +85,10 @@ def chunked_candidate(
         costs,
         comm=comm,
         allreduce_s=reduce,
-        final_allreduce_s=net.allreduce_time(STEP_ALLREDUCE_BYTES, world, world=world),
+        final_allreduce_s=links.step_allreduce(STEP_ALLREDUCE_BYTES),
         update_s=update,
         sharing=Sharing(
-            replicas=data,
+            replicas=data if cluster is None else min(data, max(1, cluster.gpus_per_host // pipeline)),
             slowdown=table.compute_slowdown,
             delivery=net.delivery_s,
             message_cpu_s=[

@@ -122,16 +122,18 @@ class Links:
         assert self.cluster is not None
         return rank // self.cluster.gpus_per_host
 
-    def crosses(self, boundary: int) -> bool:
-        """Whether some replica has stages `boundary` and `boundary` + 1 on different hosts."""
+    def crosses(self, boundary: int, to: int | None = None) -> bool:
+        """Whether some replica has pipeline positions `boundary` and `to` (default `boundary` + 1)
+        on different hosts."""
         if self.cluster is None:
             return False
-        p = self.pipeline
-        return any(self._host(r * p + boundary) != self._host(r * p + boundary + 1) for r in range(self.data))
+        p, b = self.pipeline, boundary + 1 if to is None else to
+        return any(self._host(r * p + boundary) != self._host(r * p + b) for r in range(self.data))
 
-    def p2p(self, boundary: int, nbytes: int) -> float:
-        """Seconds to move `nbytes` across stage boundary `boundary`."""
-        if not self.crosses(boundary):
+    def p2p(self, boundary: int, nbytes: int, to: int | None = None) -> float:
+        """Seconds to move `nbytes` across stage boundary `boundary`, or from position `boundary` to
+        position `to` (two chunks per rank: virtual neighbours need not be neighbouring ranks)."""
+        if not self.crosses(boundary, to):
             return self.net.p2p_time(nbytes)
         assert self.cluster is not None
         return self.cluster.inter_latency_s + nbytes / self.cluster.inter_bandwidth_Bps

@@ -290,6 +290,7 @@ class _Shape:
     ) -> None:
         segs = table.segments
         self.table, self.pipeline, self.data, self.mbs = table, pipeline, data, mbs
+        self.cluster = cluster
         self.fast = True
         if boundaries is None:
             boundaries = balance([s.forward_s[mbs] + s.backward_s[mbs] for s in segs], pipeline)
@@ -380,8 +381,9 @@ def _try(
     at_least, shape.fast = False, fast
     if schedule_spec(schedule).chunks_per_rank > 1:  # P x V virtual stages: simulated event by event
         cand = chunked_candidate(
-            shape.table, shape.pipeline, shape.data, shape.mbs, schedule, recompute, global_batch_size
-        )
+            shape.table, shape.pipeline, shape.data, shape.mbs, schedule, recompute, global_batch_size,
+            cluster=shape.cluster,
+        )  # fmt: skip
         if cand.max_memory_bytes <= limit:
             return cand
         need_per_stage = cand.memory_per_stage_bytes
