@@ -54,6 +54,7 @@ from varuna.schedule import (
     last_stage,
     releasing,
     schedule_spec,
+    several_chunks,
 )
 
 __all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_lowered"]
@@ -270,9 +271,7 @@ def simulate_lowered(
         messages = {k: v for k, v in messages.items() if not k.startswith("DELAY")}
         delay = _Delays(sharing, None)
     previous_delays: list[float] | None = None
-    chunked = virtual != num_stages or any(
-        a.stage != s for s, actions in schedule.items() for a in actions if a.microbatch is not None
-    )  # several chunks per rank: the event simulation (run_in_order is one stage per rank)
+    chunked = several_chunks(schedule)  # the event simulation then (run_in_order: a stage per rank)
     if in_order and not opportunistic and not shared and delay is None and not chunked:  # by stage
         spans = run_in_order(schedule, stage_costs, comm_s, reduce_s, messages)
         return _timeline(schedule, spans, name, num_microbatches, final_allreduce_s, updates)
@@ -389,7 +388,7 @@ class _Simulation:
         self.rank = {
             a.stage: s for s, actions in schedule.items() for a in actions if a.microbatch is not None
         }
-        self.chunked = any(v != s for v, s in self.rank.items())
+        self.chunked = several_chunks(schedule)
         """Several chunks per rank: spans name their virtual stage."""
 
     def work(self, v: int, kind: str, m: int) -> float:

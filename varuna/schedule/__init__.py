@@ -45,6 +45,7 @@ from varuna.schedule.passes import (
     last_stage,
     lower,
     releasing,
+    several_chunks,
     split_backwards,
 )
 
@@ -71,6 +72,7 @@ __all__ = [
     "lower",
     "compute_actions",
     "last_stage",
+    "several_chunks",
     "validate",
     "format_grid",
     "bubble_fraction",

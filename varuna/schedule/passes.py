@@ -66,6 +66,11 @@ def last_stage(schedule: Schedule) -> int:
     )
 
 
+def several_chunks(schedule: Schedule) -> bool:
+    """Whether some rank runs another virtual stage than its own (several chunks per rank)."""
+    return any(a.stage != s for s, actions in schedule.items() for a in actions if a.microbatch is not None)
+
+
 def add_communication(schedule: Schedule) -> Schedule:
     """Lower a compute-only schedule: RECV_F/SEND_F around each F and RECV_B/SEND_B around each B
     (by virtual stage: the first receives no activation, the last sends none)."""
