@@ -5,7 +5,8 @@ Transport. The engine's device follows the backend (NCCL: the rank's GPU; gloo: 
 `varuna.comm.rendezvous` gives the ranks of a host its GPUs round-robin. A job of W ranks on G < W
 GPUs puts two ranks on one GPU, which NCCL 2.5 to 2.29 refuses ("Duplicate GPU detected");
 NCCL 2.30 accepts it, experimentally, with NCCL_MULTI_RANK_GPU_ENABLE=1 (torch loads the NCCL of
-the nvidia-nccl-cu12 wheel, so `pip install -U "nvidia-nccl-cu12>=2.30"` provides it). So with an
+the nvidia-nccl-cuXX wheel of its CUDA, so `pip install -U "nvidia-nccl-cu13>=2.30"` provides it for
+a CUDA 13 build, or `make gpu-check NCCL_LIB=...` preloads one). So with an
 NCCL of 2.30 or later a job on a GPU host runs on NCCL, that variable set when GPUs are shared; with
 an older one, or if NCCL refuses all the same, the job runs on gloo, which computes on the CPU, and
 the check says so (`cuda: false`): what then ran on the GPU is only the one-rank job. Nothing here changes `varuna`: a gloo job with CUDA tensors would need the
@@ -142,8 +143,14 @@ def shared_gpu_refusal() -> str | None:
         return None
     return (
         f"NCCL {'.'.join(map(str, v))} refuses two ranks on one GPU; 2.30+ accepts them with "
-        'NCCL_MULTI_RANK_GPU_ENABLE=1 (pip install -U "nvidia-nccl-cu12>=2.30")'
+        f'NCCL_MULTI_RANK_GPU_ENABLE=1 (pip install -U "{nccl_wheel()}>=2.30", or make gpu-check '
+        "NCCL_LIB=/path/to/a/newer/libnccl.so.2)"
     )
+
+
+def nccl_wheel() -> str:
+    """The NCCL wheel of this torch's CUDA (nvidia-nccl-cu12 for CUDA 12 builds, -cu13 for 13)."""
+    return f"nvidia-nccl-cu{(torch.version.cuda or '12').split('.')[0]}"
 
 
 def transport(ctx: Context, world: int) -> Transport:

@@ -97,9 +97,11 @@ def test_a_non_positive_budget_or_tolerance_is_refused() -> None:
 def test_ranks_share_a_gpu_only_from_nccl_2_30(monkeypatch, reported, refused) -> None:
     import _harness
 
+    monkeypatch.setattr(_harness, "_loaded_nccl_code", lambda: None)  # a CUDA host would ask its library
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: reported)
     why = _harness.shared_gpu_refusal()
-    assert why is None if refused is None else (refused in why and "nvidia-nccl-cu12>=2.30" in why)
+    wheel = f"nvidia-nccl-cu{(torch.version.cuda or '12').split('.')[0]}>=2.30"
+    assert why is None if refused is None else (refused in why and wheel in why and "NCCL_LIB=" in why)
 
 
 def test_each_job_gets_nccl_a_shared_gpu_or_the_gloo_fallback(tmp_path: Path) -> None:
