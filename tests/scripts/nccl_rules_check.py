@@ -2,12 +2,15 @@
 
     VARUNA_NCCL_RULES=1 varuna run --pipeline 2 tests/scripts/nccl_rules_check.py
 
-Prints "RULES {json}" per rank with three cases:
+Prints "RULES {json}" per rank with five cases:
 - shared: both directions on one group; rank 1 posts a receive for a second activation before it
   sends the gradient rank 0 waits for (as an early receive does): NCCL would hang, the rules raise.
 - split: the same on two groups (`varuna.comm.links`): it completes.
 - order: rank 0 sends A (tag 1) then B (tag 2); rank 1 posts B's receive first: with tags ignored
   it gets A's values (gloo alone would match by tag).
+- created: each rank's first operation is a receive on a group the other starts with a send on the
+  other group (as an early gradient receive was): NCCL's creation would hang, the rules raise.
+- warmed: the same on groups made by `varuna.comm.links.warm` first: it completes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from varuna.comm import nccl_rules
+from varuna.comm.links import warm
 from varuna.comm.rendezvous import init_distributed
 
 rank, _ = init_distributed()
@@ -58,4 +62,23 @@ else:
     for w in recvs:
         w.wait()
 out["order_b_got"] = got.tolist()
+
+
+def crossed(one: object, other: object) -> str:
+    """rank 0 receives on `one`, then sends on `other`; rank 1 receives on `other`, then sends on
+    `one`: each rank's first operation is on the group the peer starts last."""
+    mine, theirs = (one, other) if rank == 0 else (other, one)
+    try:
+        got = dist.irecv(torch.zeros(2), 1 - rank, group=mine)
+        dist.isend(torch.full((2,), float(rank)), 1 - rank, group=theirs).wait()
+        got.wait()
+    except nccl_rules.NcclRuleError as exc:
+        return f"NcclRuleError: {exc}"
+    return "completed"
+
+
+made = [dist.new_group([0, 1]) for _ in range(4)]
+out["created"] = crossed(made[0], made[1])
+warm([(made[2], 0, 1), (made[3], 0, 1)], rank, torch.device("cpu"))
+out["warmed"] = crossed(made[2], made[3])
 print("RULES " + json.dumps(out), flush=True)

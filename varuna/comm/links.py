@@ -7,6 +7,14 @@ activations: both ranks wait forever. The first GPU run of the checks hung exact
 operations proceed independently, passed), which `varuna.comm.nccl_rules` now reproduces on a CPU.
 So each boundary between two ranks gets two groups of those two ranks, one per direction; with two
 chunks per rank each virtual boundary has its own, so the chunks' messages never share a stream.
+
+NCCL also creates a pair's communicator on the first send or receive on it, and that creation
+blocks until the peer makes its own first call there. A stage whose first operation is an early
+gradient receive on one group, while its peer's first is an activation receive on the other, would
+wait forever in creation (the second GPU run hung so, in every two-rank check). So the groups are
+warmed once, right after they are made: every rank exchanges one element on each of its groups in
+the order the groups were created, which is the same on every rank, so no two ranks can wait on
+each other (the group first in that order with a rank waiting has both its ranks there).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch.distributed as dist
 from varuna.comm.p2p import P2P
 from varuna.comm.rendezvous import group_timeout
 
-__all__ = ["boundary_groups", "pair_link"]
+__all__ = ["boundary_groups", "pair_link", "warm"]
 
 
 def boundary_groups(
@@ -31,12 +39,15 @@ def boundary_groups(
     *,
     position: int,
     replica: int,
+    device: torch.device,
 ) -> dict[int, tuple[Any, Any]]:
     """Create every boundary's (activations, gradients) groups, in one order on every rank (as
     torch.distributed requires), and return this rank's: boundary v (between virtual stages v and
     v + 1) -> its two groups, for the boundaries of its own pipeline that it sits on. A boundary
-    inside one rank (two of its chunks meeting) is a local hand-off and gets none."""
+    inside one rank (two of its chunks meeting) is a local hand-off and gets none. `device` is this
+    rank's (the warm-up's element lives there, as NCCL requires)."""
     mine: dict[int, tuple[Any, Any]] = {}
+    made: list[tuple[Any, int, int]] = []
     for r in range(data):
         for v in range(num_stages - 1):
             a, b = rank_of(v), rank_of(v + 1)
@@ -45,16 +56,34 @@ def boundary_groups(
             ranks = sorted((r * pipeline + a, r * pipeline + b))
             act = dist.new_group(ranks, timeout=group_timeout())
             grad = dist.new_group(ranks, timeout=group_timeout())
+            made += [(act, ranks[0], ranks[1]), (grad, ranks[0], ranks[1])]
             if r == replica and position in (a, b):
                 mine[v] = (act, grad)
+    warm(made, dist.get_rank(), device)
     return mine
+
+
+def warm(groups: list[tuple[Any, int, int]], rank: int, device: torch.device) -> None:
+    """Make the point-to-point communicator of each (group, lower rank, higher rank) this rank is
+    in, in the given order (the same on every rank): the lower rank sends one element, the higher
+    receives it. On NCCL this is where each pair's communicator is created (each exchange finished
+    on the device before the next creation: NCCL warns that a CUDA call made while its kernels
+    run may wait for them); on gloo it costs a round trip per group."""
+    one = torch.zeros(1, device=device)
+    for group, low, high in groups:
+        if rank in (low, high):
+            work = dist.isend(one, high, group=group) if rank == low else dist.irecv(one, low, group=group)
+            assert work is not None  # this rank is in the group
+            work.wait()
+            if device.type == "cuda":  # no NCCL kernel in flight while the next communicator is made
+                torch.cuda.synchronize(device)
 
 
 def pair_link(rank: int, device: torch.device, *, ordered: bool | None = None) -> P2P | None:
     """The link between ranks 0 (a first stage) and 1 (its next), made as the engine makes one, for
     measurements and checks outside a pipeline; None on the other ranks. Every rank of the job must
     call it (it creates the two groups)."""
-    groups = boundary_groups(2, 1, 2, lambda v: v, position=rank, replica=0)
+    groups = boundary_groups(2, 1, 2, lambda v: v, position=rank, replica=0, device=device)
     if rank == 0:
         return P2P(None, 1, device, ordered=ordered, down=groups[0])
     if rank == 1:

@@ -1,24 +1,30 @@
 """gloo under NCCL's point-to-point rules, so a CPU run shows what a GPU run would do.
 
-NCCL differs from gloo in two ways that decide whether a pipeline's messages arrive:
+NCCL differs from gloo in three ways that decide whether a pipeline's messages arrive:
 
 1. it ignores tags: within one communicator, a rank pair's sends and receives match in the order
    they were posted, so a receive posted out of order gets another message's tensor;
 2. it runs a communicator's operations one after another on one stream: an operation starts only
    once the one posted before it has finished, so a receive posted early holds back every later
-   send on that communicator, and two ranks that each wait for the other's held-back send hang.
+   send on that communicator, and two ranks that each wait for the other's held-back send hang;
+3. it creates a pair's communicator on the first send or receive there (torch's lazy start), and
+   creation blocks the caller until the peer's first call there arrives too: two ranks whose first
+   operations are on different groups each wait in creation for the other.
 
 gloo does neither (tags match, operations proceed independently), so a schedule can pass every CPU
 test and hang on its first GPU step. That happened: the first GPU run of the checks hung in 120 s,
 while the same jobs passed on gloo, because activations and gradients of a rank pair shared one
-communicator (the fix: a group per direction and stage boundary, `varuna.comm.links`).
+communicator (the fix: a group per direction and stage boundary, `varuna.comm.links`). The second
+hung by rule 3 (a stage's first operation was an early gradient receive, its peer's an activation
+receive), which the rules did not have then (the fix: `varuna.comm.links.warm`).
 
 `install()` (``VARUNA_NCCL_RULES=1`` on gloo; `init_distributed` calls it) replaces
 ``torch.distributed.isend`` and ``irecv`` with ones that keep both rules: one FIFO worker per
-(group, rank pair) carries each operation to its end, with tag 0, before it starts the next. A
-mispairing then delivers a wrong tensor or fails on its size; a hold-back makes ``wait()`` raise
+(group, rank pair) carries each operation to its end, with tag 0, before it starts the next, and
+is created only once the peer's first operation on that pair has come (met through the job's
+store). A mispairing then delivers a wrong tensor or fails on its size; a hold-back makes ``wait()`` raise
 `NcclRuleError` after ``VARUNA_TIMEOUT`` seconds, naming the communicator and the operation at its
-head. Collectives keep gloo's behaviour (they run in one order on every rank anyway).
+head, or a creation the peer never joined. Collectives keep gloo's behaviour (they run in one order on every rank anyway).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import queue
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -129,10 +136,34 @@ def _stream(group: Any, peer: int) -> _Stream:
     me = dist.get_rank()
     key = (0 if group is None else id(group), min(me, peer), max(me, peer))
     with _lock:
-        if key not in _streams:
-            gname = "default" if group is None else f"group {len(_streams)}"
-            _streams[key] = _Stream(f"{gname} ranks {key[1]}<->{key[2]}")
-        return _streams[key]
+        stream = _streams.get(key)
+        if stream is None:
+            gname = "default" if group is None else f"group {getattr(group, 'group_name', len(_streams))}"
+            stream = _streams[key] = _Stream(f"{gname} ranks {key[1]}<->{key[2]}")
+            new = True
+        else:
+            new = False
+    if new:
+        _create(stream, me, peer)
+    return stream
+
+
+def _create(stream: _Stream, me: int, peer: int) -> None:
+    """Rule 3: the first operation on a communicator returns only once the peer's first operation
+    on it has come too (NCCL's creation is collective and blocking)."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"varuna-nccl-rules/{stream.name}/"
+    store.set(prefix + str(me), "1")
+    try:
+        store.wait([prefix + str(peer)], timedelta(seconds=_timeout_s()))
+    except Exception as exc:  # noqa: BLE001 - the store's timeout (its type differs across versions)
+        raise NcclRuleError(
+            f"the first operation on {stream.name} waited {_timeout_s():g} s for rank {peer}'s first "
+            f"operation there: NCCL creates a communicator on first use and blocks until both ranks "
+            f"arrive, so rank {peer}, starting another communicator first, would wait for this one; "
+            "on NCCL this hangs. Create every communicator up front in one order on every rank "
+            "(varuna.comm.links.warm)."
+        ) from exc
 
 
 def install(timeout_s: float = 120.0) -> None:

@@ -171,7 +171,7 @@ class Varuna:
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
         groups = boundary_groups(P, cfg.engine.data, P * spec.chunks_per_rank, rank_of, position=self.stage,
-                                 replica=self.replica)  # fmt: skip
+                                 replica=self.replica, device=self.device)  # fmt: skip
         chunks = _stage.chunk_links(self.chunk_stages, P * spec.chunks_per_rank, rank_of, self.rank, self.stage,
                                     self.device, groups)  # fmt: skip
         names = cut_names(model)
