@@ -1,6 +1,6 @@
 """The launcher with real processes: the mpiexec command lines (which ask `mpiexec --version`), then
 four real 2-rank jobs under the mpich wheel's mpiexec: success, a raising rank, a SIGKILLed rank, a
-timeout. Every job must end promptly and leave no process behind.
+timeout (which shows each rank's stack). Every job must end promptly and leave no process behind.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -125,6 +126,11 @@ def test_a_job_past_its_timeout_is_stopped(tmp_path: Path) -> None:
     assert code == 124
     assert elapsed < 4.0 + 3.0 + 6.0
     assert "varuna: job ran past --timeout 4 s; stopping it" in err
+    # before stopping them the launcher has each rank print where it waits (every thread's stack)
+    assert "varuna: the Python stacks of ranks [0, 1] at the timeout:" in err
+    for rank in (0, 1):  # each rank's, from its log, where it waits (the script's sleep)
+        assert re.search(rf'\[rank {rank}\]\s+File ".*launch_fail\.py", line \d+ in main', err), err[-3000:]
+        assert "most recent call first" in (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
     assert "varuna: job stopped by SIGTERM" in err
     assert json.loads((tmp_path / "run" / "job.json").read_text())["exit_code"] == 124
 

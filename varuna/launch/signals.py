@@ -11,9 +11,12 @@ import signal
 import sys
 import threading
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "remember_early_stops"]
+__all__ = ["STACKS_SIGNAL", "STOP_SIGNALS", "StopRequest", "remember_early_stops"]
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STACKS_SIGNAL = signal.SIGUSR2
+"""Makes a rank print every thread's Python stack to its stderr and go on (`varuna.launch.worker`
+registers it; the launcher sends it to a job that ran past ``--timeout`` before stopping it)."""
 
 
 class StopRequest:

@@ -36,7 +36,7 @@ from varuna._files import write_json_atomic
 from varuna.comm.rendezvous import env_rank, finalize_mpi, init_distributed, launch_env, placement, shutdown
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.pids import identity
-from varuna.launch.signals import remember_early_stops
+from varuna.launch.signals import STACKS_SIGNAL, remember_early_stops
 
 __all__ = ["LineTee", "main"]
 
@@ -219,6 +219,9 @@ def _install_tee(me: _Rank, real_out: TextIO, real_err: TextIO) -> TextIO | None
     sys.stderr = LineTee(real_err, log, prefix, lock)
     if log is not None:
         faulthandler.enable(file=log)  # a segfault's Python traceback lands in the rank's log
+        # a job that hangs shows where: the launcher asks for every thread's stack (written even while
+        # a thread blocks in C) and prints it from here
+        faulthandler.register(STACKS_SIGNAL, file=log, all_threads=True)
     return log
 
 
