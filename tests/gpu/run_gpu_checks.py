@@ -5,6 +5,9 @@
 
 Checks, in order, each one job with its own timeout inside the run's budget (`--budget-s`):
 
+    nccl-probe      2 ranks, one short job per point-to-point pattern the pipeline rests on (one
+                    group; a group per direction; a receive on one in flight while sending on the
+                    other; the P2P link itself), so a hang names its pattern (tests/gpu/_probe_worker.py)
     p2p             2 ranks: `varuna.comm.p2p` delivers every activation and gradient exactly and
                     in order (shape changes, tuples, a 4 MiB tensor; NCCL pairs by posting order),
                     and an arrival is seen without waiting for it (tests/gpu/_p2p_worker.py)
@@ -42,6 +45,7 @@ import torch  # noqa: E402
 from _harness import Context, Launched, compare, environment, fallback, launch, shared_gpu_refusal, transport  # noqa: E402
 from _p2p_worker import MICRO as P2P_MICRO  # noqa: E402
 from _p2p_worker import STEPS as P2P_STEPS  # noqa: E402
+from _probe_worker import CASES as PROBE_CASES  # noqa: E402
 
 from varuna.errors import ConfigError  # noqa: E402
 from varuna.schedule import SCHEDULES  # noqa: E402
@@ -106,6 +110,59 @@ def run_phase(
         details |= {"ok": False, "problems": [f"{type(exc).__name__}: {exc}"]}
     status = "passed" if details.pop("ok") else "failed"
     return _check(name, status, seconds, **where, details=details)
+
+
+PROBE_TIMEOUT_S = 40.0
+
+
+def run_probe(ctx: Context) -> dict[str, Any]:
+    """The probe: one 2-rank job per case of `_probe_worker.CASES`, each with a short timeout, so
+    one that hangs costs only its own timeout and the others still answer."""
+    name = "nccl-probe"
+    if ctx.left_s() < 20:
+        return _check(
+            name, "not run", 0.0, details={"reason": f"under 20 s of the {ctx.budget_s:g} s budget left"}
+        )
+    via = transport(ctx, 2)
+    cases: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for case in PROBE_CASES:
+        if ctx.left_s() < 20:
+            cases[case] = {"ok": False, "status": "not run"}
+            continue
+        out = ctx.work / f"{name}-{case}"
+        out.mkdir()
+        tag = f"{name}-{case}"
+        done = launch(ctx, tag, "_probe_worker.py", [str(out), case], pipeline=2, data=1, via=via,
+                      timeout_s=PROBE_TIMEOUT_S)  # fmt: skip
+        refusal = done.refusal() if "NCCL_MULTI_RANK_GPU_ENABLE" in via.env else None
+        if refusal is not None:
+            ctx.nccl_refused, via = refusal, fallback()
+            done = launch(ctx, tag + "-gloo", "_probe_worker.py", [str(out), case], pipeline=2, data=1,
+                          via=via, timeout_s=PROBE_TIMEOUT_S)  # fmt: skip
+        if done.code != 0:
+            cases[case] = {"ok": False, "status": "failed", "exit": done.code, "log_tail": done.tail(2500)}
+        else:
+            cases[case] = judge_probe(out, case)
+    failing = [c for c, r in cases.items() if not r["ok"]]
+    details = {"problems": [f"{c}: {cases[c].get('exit') or cases[c].get('problems')}" for c in failing],
+               "cases": cases}  # fmt: skip
+    status = "failed" if failing else "passed"
+    return _check(name, status, time.perf_counter() - t0, transport=via.label, cuda=via.cuda, details=details)
+
+
+def judge_probe(out: Path, case: str) -> dict[str, Any]:
+    """Each rank saw exactly the values sent: rank 1 the activations, rank 0 twice them back."""
+    sent = {"one-group": [1.0], "link": [10.0 * s + m for s in range(2) for m in range(3)]}.get(
+        case, [1.0, 2.0, 3.0]
+    )
+    ranks = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
+    want = [[2 * v for v in sent], sent]
+    problems = [
+        f"rank {r} saw {ranks[r]['seen']}, expected {want[r]}" for r in (0, 1) if ranks[r]["seen"] != want[r]
+    ]
+    return {"ok": not problems, "status": "passed" if not problems else "failed", "problems": problems,
+            "seconds": max(r["seconds"] for r in ranks)}  # fmt: skip
 
 
 def judge_p2p(out: Path) -> dict[str, Any]:
@@ -189,6 +246,8 @@ def _summary(check: dict[str, Any]) -> str:
     d = check.get("details", {})
     if check["status"] != "passed":
         return str(d.get("problems") or d.get("exit") or d.get("reason", ""))[:200]
+    if "cases" in d:
+        return ", ".join(f"{c} {r['status']}" for c, r in d["cases"].items())
     if "early_receives" in d:
         return f"early receives {d['early_receives']}, arrivals seen after {d['arrival_seen_after_s']} s"
     if "max_loss_rel" in d:
@@ -216,7 +275,7 @@ def run(device: str, *, quick: bool, budget_s: float, rtol: float | None, work: 
     size, warmup, timed = (
         ("tiny", 1, 2) if quick else (("bench", 3, 10) if device == "cuda" else ("bench", 1, 3))
     )
-    checks = [run_phase(ctx, "p2p", "_p2p_worker.py", [], 2, 1, 120, judge_p2p)]
+    checks = [run_probe(ctx), run_phase(ctx, "p2p", "_p2p_worker.py", [], 2, 1, 120, judge_p2p)]
     for P, D in ((1, 1), (2, 1), (2, 2)):
         name = f"equality-{P}x{D}"
         judge = judge_equality(P, D, steps, rtol)

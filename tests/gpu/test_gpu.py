@@ -17,7 +17,7 @@ from varuna.errors import ConfigError
 from varuna.schedule import SCHEDULES
 
 SCRIPT = REPO / "tests" / "gpu" / "run_gpu_checks.py"
-NAMES = ["p2p", "equality-1x1", "equality-2x1", "equality-2x2", "bench-2x1"]
+NAMES = ["nccl-probe", "p2p", "equality-1x1", "equality-2x1", "equality-2x2", "bench-2x1"]
 sys.path.insert(0, str(SCRIPT.parent))
 
 

@@ -1,0 +1,133 @@
+"""GPU check, 2 ranks: which point-to-point patterns the job's transport completes, one per job.
+
+    varuna run --pipeline 2 tests/gpu/_probe_worker.py OUT CASE
+
+The pipeline's messages rest on a few patterns; each case isolates one, so a run that hangs says
+which (run_gpu_checks.py launches one job per case, each with a short timeout, and a hung case
+costs only that). Every case moves known values and checks them exactly; each rank writes
+OUT/probe-rank{r}.json. The cases, from the simplest:
+
+- one-group:  rank 0 sends to rank 1 and back, on one new group (one communicator);
+- two-groups: one group per direction, warmed in one order (`varuna.comm.links.warm`), used one
+              after the other;
+- early-recv: rank 0 posts its receive on the second group before its send on the first and
+              waits for both: two communicators of one process in flight at once, as a stage
+              with an early gradient receive has;
+- both-early: rank 1 also posts its next receive on the first group before it sends on the
+              second (what the runtime does every micro-batch);
+- link:       `varuna.comm.links.pair_link`'s P2P, 2 steps x 3 micro-batches, every header
+              receive posted at the start of a step (as the runtime does).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from varuna.comm.links import pair_link, warm
+
+CASES = ("one-group", "two-groups", "early-recv", "both-early", "link")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _groups(n: int, device: torch.device) -> list[object]:
+    made = [dist.new_group([0, 1]) for _ in range(n)]
+    warm([(g, 0, 1) for g in made], dist.get_rank(), device)
+    return made
+
+
+def _full(v: float, device: torch.device) -> torch.Tensor:
+    return torch.full((1024,), v, device=device)
+
+
+def _got(t: torch.Tensor) -> float:
+    return float(t[0].item()) if bool((t == t[0]).all()) else float("nan")
+
+
+def case(name: str, rank: int, device: torch.device) -> list[float]:
+    """Run one case; the values this rank received, in order."""
+    seen: list[float] = []
+    buf = torch.zeros(1024, device=device)
+    if name == "one-group":
+        (g,) = _groups(1, device)
+        if rank == 0:
+            dist.isend(_full(1.0, device), 1, group=g).wait()
+            dist.irecv(buf, 1, group=g).wait()
+        else:
+            dist.irecv(buf, 0, group=g).wait()
+            dist.isend(buf * 2, 0, group=g).wait()
+        seen.append(_got(buf))
+    elif name in ("two-groups", "early-recv", "both-early"):
+        act, grad = _groups(2, device)
+        nbuf, nxt = torch.zeros(1024, device=device), None
+        for k in range(3):
+            if rank == 0:
+                if name == "two-groups":
+                    dist.isend(_full(k + 1.0, device), 1, group=act).wait()
+                    dist.irecv(buf, 1, group=grad).wait()
+                else:
+                    back = dist.irecv(buf, 1, group=grad)  # posted before the send on the other group
+                    sent = dist.isend(_full(k + 1.0, device), 1, group=act)
+                    sent.wait()
+                    back.wait()
+                seen.append(_got(buf))
+            else:
+                if nxt is None:
+                    dist.irecv(buf, 0, group=act).wait()
+                else:
+                    nxt.wait()  # posted in the previous round
+                    buf.copy_(nbuf)
+                got = buf.clone()
+                nxt = None
+                if name == "both-early" and k < 2:
+                    nxt = dist.irecv(nbuf, 0, group=act)  # the next activation's, before the send
+                dist.isend(got * 2, 0, group=grad).wait()
+                seen.append(_got(got))
+    elif name == "link":
+        p2p = pair_link(rank, device)
+        assert p2p is not None
+        for step in range(2):
+            for mb in range(3):
+                if rank == 0:
+                    p2p.send_activation(mb, _full(10.0 * step + mb, device))
+                    seen.append(_got(p2p.recv_grad(mb)[0]))
+                else:
+                    if mb == 0:  # every header at the start of the step, as the runtime posts them
+                        for m in range(3):
+                            p2p.post_activation_header(m)
+                    x = p2p.recv_activation(mb)
+                    assert isinstance(x, torch.Tensor)
+                    seen.append(_got(x))
+                    x.grad = 2 * x.detach()
+                    p2p.send_grad(mb, x)
+            p2p.finish()
+        p2p.close()
+    else:
+        raise SystemExit(f"unknown case {name!r}; expected one of {CASES}")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return seen
+
+
+def main() -> None:
+    out, name = Path(sys.argv[1]), sys.argv[2]
+    rank, device = dist.get_rank(), _device()
+    t0 = time.perf_counter()
+    seen = case(name, rank, device)
+    result = {"case": name, "rank": rank, "seen": seen, "seconds": round(time.perf_counter() - t0, 3)}
+    (out / f"probe-rank{rank}.json").write_text(json.dumps(result))
+    print(f"probe {name}: rank {rank} saw {seen}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
