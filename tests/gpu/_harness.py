@@ -64,6 +64,10 @@ class Context:
     gpus: int = 0
     nccl_refused: str | None = None
     """NCCL's refusal line, once a job with ranks sharing a GPU has seen it (later jobs skip NCCL)."""
+    nccl_env: dict[str, str] | None = None
+    """NCCL settings the probe found point-to-point to need here (added to every NCCL job)."""
+    p2p_hangs: str | None = None
+    """Why point-to-point over NCCL would hang here, when the probe found no setting that helps."""
     logs: list[Path] = field(default_factory=list)
 
     def left_s(self) -> float:
@@ -157,16 +161,23 @@ def transport(ctx: Context, world: int) -> Transport:
     """The transport a job of `world` ranks gets (see the module docstring)."""
     if ctx.device == "cpu":
         return Transport("gloo (cpu) under NCCL's rules", {**_GLOO, "VARUNA_NCCL_RULES": "1"}, cuda=False)
+    extra = ctx.nccl_env or {}
+    said = "".join(f", {k}={v}" for k, v in extra.items())
     if world <= ctx.gpus:
-        return Transport("nccl, one GPU per rank", {"VARUNA_BACKEND": "nccl"}, cuda=True)
+        return Transport(f"nccl, one GPU per rank{said}", {"VARUNA_BACKEND": "nccl", **extra}, cuda=True)
     if ctx.nccl_refused is None:
         per = math.ceil(world / ctx.gpus)
         return Transport(
-            f"nccl, {per} ranks per GPU (NCCL_MULTI_RANK_GPU_ENABLE=1)",
-            {"VARUNA_BACKEND": "nccl", "NCCL_MULTI_RANK_GPU_ENABLE": "1"},
+            f"nccl, {per} ranks per GPU (NCCL_MULTI_RANK_GPU_ENABLE=1{said})",
+            {"VARUNA_BACKEND": "nccl", "NCCL_MULTI_RANK_GPU_ENABLE": "1", **extra},
             cuda=True,
         )
     return fallback()
+
+
+def check_record(name: str, status: str, seconds: float, **rest: Any) -> dict[str, Any]:
+    """One check's entry in the report."""
+    return {"name": name, "ok": status == "passed", "status": status, "seconds": round(seconds, 2), **rest}
 
 
 _GLOO = {"VARUNA_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}

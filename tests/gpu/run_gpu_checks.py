@@ -42,10 +42,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
-from _harness import Context, Launched, compare, environment, fallback, launch, shared_gpu_refusal, transport  # noqa: E402
+from _harness import (  # noqa: E402
+    Context,
+    Launched,
+    check_record,
+    compare,
+    environment,
+    fallback,
+    launch,
+    shared_gpu_refusal,
+    transport,
+)
 from _p2p_worker import MICRO as P2P_MICRO  # noqa: E402
 from _p2p_worker import STEPS as P2P_STEPS  # noqa: E402
-from _probe_worker import CASES as PROBE_CASES  # noqa: E402
+from _probe import run_probe  # noqa: E402
 
 from varuna.errors import ConfigError  # noqa: E402
 from varuna.schedule import SCHEDULES  # noqa: E402
@@ -53,10 +63,6 @@ from varuna.schedule import SCHEDULES  # noqa: E402
 BUDGET_S = 480.0
 MODELS = ("gpt", "bert")
 Judge = Callable[[Path], dict[str, Any]]
-
-
-def _check(name: str, status: str, seconds: float, **rest: Any) -> dict[str, Any]:
-    return {"name": name, "ok": status == "passed", "status": status, "seconds": round(seconds, 2), **rest}
 
 
 def run_phase(
@@ -72,12 +78,16 @@ def run_phase(
     """One check: launch its job (rerun on gloo if NCCL refuses ranks sharing a GPU), then judge
     the files it wrote."""
     if ctx.left_s() < 20:
-        return _check(
+        return check_record(
             name, "not run", 0.0, details={"reason": f"under 20 s of the {ctx.budget_s:g} s budget left"}
+        )
+    via = transport(ctx, pipeline * data)
+    if ctx.p2p_hangs and via.cuda and pipeline > 1:
+        return check_record(
+            name, "not run", 0.0, transport=via.label, cuda=True, details={"reason": ctx.p2p_hangs}
         )
     out = ctx.work / name
     out.mkdir()
-    via = transport(ctx, pipeline * data)
     details: dict[str, Any] = {}
     t0 = time.perf_counter()
     done: Launched = launch(
@@ -103,66 +113,13 @@ def run_phase(
     where = {"transport": via.label, "cuda": via.cuda}
     if done.code != 0:
         details |= {"exit": done.code, "log_tail": done.tail()}
-        return _check(name, "failed", seconds, **where, details=details)
+        return check_record(name, "failed", seconds, **where, details=details)
     try:
         details |= judge(out)
     except Exception as exc:  # noqa: BLE001 - a broken result file fails this check, not the run
         details |= {"ok": False, "problems": [f"{type(exc).__name__}: {exc}"]}
     status = "passed" if details.pop("ok") else "failed"
-    return _check(name, status, seconds, **where, details=details)
-
-
-PROBE_TIMEOUT_S = 40.0
-
-
-def run_probe(ctx: Context) -> dict[str, Any]:
-    """The probe: one 2-rank job per case of `_probe_worker.CASES`, each with a short timeout, so
-    one that hangs costs only its own timeout and the others still answer."""
-    name = "nccl-probe"
-    if ctx.left_s() < 20:
-        return _check(
-            name, "not run", 0.0, details={"reason": f"under 20 s of the {ctx.budget_s:g} s budget left"}
-        )
-    via = transport(ctx, 2)
-    cases: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    for case in PROBE_CASES:
-        if ctx.left_s() < 20:
-            cases[case] = {"ok": False, "status": "not run"}
-            continue
-        out = ctx.work / f"{name}-{case}"
-        out.mkdir()
-        tag = f"{name}-{case}"
-        done = launch(ctx, tag, "_probe_worker.py", [str(out), case], pipeline=2, data=1, via=via,
-                      timeout_s=PROBE_TIMEOUT_S)  # fmt: skip
-        refusal = done.refusal() if "NCCL_MULTI_RANK_GPU_ENABLE" in via.env else None
-        if refusal is not None:
-            ctx.nccl_refused, via = refusal, fallback()
-            done = launch(ctx, tag + "-gloo", "_probe_worker.py", [str(out), case], pipeline=2, data=1,
-                          via=via, timeout_s=PROBE_TIMEOUT_S)  # fmt: skip
-        if done.code != 0:
-            cases[case] = {"ok": False, "status": "failed", "exit": done.code, "log_tail": done.tail(2500)}
-        else:
-            cases[case] = judge_probe(out, case)
-    failing = [c for c, r in cases.items() if not r["ok"]]
-    details = {"problems": [f"{c}: {cases[c].get('exit') or cases[c].get('problems')}" for c in failing],
-               "cases": cases}  # fmt: skip
-    status = "failed" if failing else "passed"
-    return _check(name, status, time.perf_counter() - t0, transport=via.label, cuda=via.cuda, details=details)
-
-
-def judge_probe(out: Path, case: str) -> dict[str, Any]:
-    """Each rank saw exactly the values sent: rank 1 the activations, rank 0 twice them back."""
-    sent = {"one-group": [1.0], "link": [10.0 * s + m for s in range(2) for m in range(3)]}.get(
-        case, [1.0, 2.0, 3.0]
-    )
-    ranks = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
-    want = [[2 * v for v in sent], sent]
-    problems = [
-        f"rank {r} saw {ranks[r]['seen']}, expected {want[r]}" for r in (0, 1) if ranks[r]["seen"] != want[r]
-    ]
-    return {"ok": not problems, "status": "passed" if not problems else "failed", "problems": problems,
-            "seconds": max(r["seconds"] for r in ranks)}  # fmt: skip
+    return check_record(name, status, seconds, **where, details=details)
 
 
 def judge_p2p(out: Path) -> dict[str, Any]:

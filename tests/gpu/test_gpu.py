@@ -118,3 +118,51 @@ def test_each_job_gets_nccl_a_shared_gpu_or_the_gloo_fallback(tmp_path: Path) ->
     assert transport(ctx, 2).cuda  # a GPU each: NCCL still
     late = transport(ctx, 4)
     assert not late.cuda and "fallback" in late.label and late.env == cpu
+
+
+@pytest.mark.parametrize("p2p_disable_helps", [True, False])
+def test_the_probe_keeps_the_nccl_setting_that_unhangs_point_to_point_or_skips_what_would_hang(
+    tmp_path: Path, monkeypatch, p2p_disable_helps: bool
+) -> None:
+    """The decisions the probe makes on a GPU host, with the jobs' outcomes given (the jobs themselves
+    run in the quick CPU run above and on a GPU): failing cases rerun under NCCL settings, the first
+    setting that passes them all is kept for every later NCCL job; with none, the later
+    point-to-point jobs are reported not run instead of hanging one after another."""
+    import time
+
+    import _probe
+    import run_gpu_checks
+    from _harness import Context, Launched, transport
+
+    ctx = Context(
+        device="cuda", quick=True, work=tmp_path, deadline=time.monotonic() + 600, budget_s=600, rtol=1e-4
+    )
+    ctx.gpus = 1
+    ran: list[tuple[str, str]] = []
+
+    def launch(ctx, tag, worker, args, *, pipeline, data, via, timeout_s):  # noqa: ANN001, ANN202
+        case = args[1]
+        ran.append((case, via.label))
+        works = case == "one-group" or (p2p_disable_helps and via.env.get("NCCL_P2P_DISABLE") == "1")
+        return Launched(0 if works else "timeout after 25 s", 1.0, tmp_path / f"{tag}.log")
+
+    monkeypatch.setattr(_probe, "launch", launch)
+    monkeypatch.setattr(_probe, "judge", lambda out, case: {"ok": True, "status": "passed"})
+    check = _probe.run_probe(ctx)
+    assert check["status"] == "failed"  # as NCCL came, it hung: the report says so either way
+    failing = [c for c in _probe.CASES if c != "one-group"]
+    assert check["details"]["problems"] == [f"{c}: timeout after 25 s" for c in failing]
+    variants = check["details"]["variants"]
+    if p2p_disable_helps:
+        assert check["details"]["kept"] == "NCCL_P2P_DISABLE=1" and list(variants) == ["NCCL_P2P_DISABLE=1"]
+        assert ctx.nccl_env == {"NCCL_P2P_DISABLE": "1"} and ctx.p2p_hangs is None
+        later = transport(ctx, 4)
+        assert later.env["NCCL_P2P_DISABLE"] == "1" and "NCCL_P2P_DISABLE=1" in later.label
+    else:  # each setting stops at its first failing case
+        assert [list(v) for v in variants.values()] == [["two-groups"], ["two-groups"]]
+        assert ctx.nccl_env is None and "would hang the same" in (ctx.p2p_hangs or "")
+        skipped = run_gpu_checks.run_phase(
+            ctx, "p2p", "_p2p_worker.py", [], 2, 1, 120, run_gpu_checks.judge_p2p
+        )
+        assert skipped["status"] == "not run" and skipped["details"]["reason"] == ctx.p2p_hangs
+    assert len(ran) == len(_probe.CASES) + (len(failing) if p2p_disable_helps else 2)
