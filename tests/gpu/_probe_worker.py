@@ -9,7 +9,9 @@ OUT/probe-rank{r}.json. The cases, from the simplest:
 
 - one-group:  rank 0 sends to rank 1 and back, on one new group (one communicator);
 - two-groups: one group per direction, warmed in one order (`varuna.comm.links.warm`), used one
-              after the other;
+              after the other (each operation finished on the device before the next is posted);
+- batched:    one group, each round's send and receive posted together (`batch_isend_irecv`, as
+              torch.distributed.pipelining does) and finished before the next round;
 - early-recv: rank 0 posts its receive on the second group before its send on the first and
               waits for both: two communicators of one process in flight at once, as a stage
               with an early gradient receive has;
@@ -25,13 +27,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from varuna.comm.links import pair_link, warm
 
-CASES = ("one-group", "two-groups", "early-recv", "both-early", "link")
+CASES = ("one-group", "two-groups", "batched", "early-recv", "both-early", "link")
 
 
 def _device() -> torch.device:
@@ -54,6 +57,41 @@ def _got(t: torch.Tensor) -> float:
     return float(t[0].item()) if bool((t == t[0]).all()) else float("nan")
 
 
+def _done(work: Any, device: torch.device) -> None:
+    """Wait for `work` and, on a GPU, until the device has finished it too."""
+    work.wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batched(rank: int, device: torch.device) -> list[float]:
+    """Rounds of [send activation k, receive gradient k - 1] against [receive activation k, send
+    gradient k - 1], each round one batch."""
+    (g,) = _groups(1, device)
+    seen: list[float] = []
+    act, grad = torch.zeros(1024, device=device), torch.zeros(1024, device=device)
+    for k in range(4):
+        ops = []
+        if rank == 0:
+            if k < 3:
+                ops.append(dist.P2POp(dist.isend, _full(k + 1.0, device), 1, g))
+            if k > 0:
+                ops.append(dist.P2POp(dist.irecv, grad, 1, g))
+        else:
+            if k < 3:
+                ops.append(dist.P2POp(dist.irecv, act, 0, g))
+            if k > 0:
+                ops.append(dist.P2POp(dist.isend, 2 * got, 0, g))  # noqa: F821 - the previous round's
+        for work in dist.batch_isend_irecv(ops):
+            _done(work, device)
+        if rank == 0 and k > 0:
+            seen.append(_got(grad))
+        if rank == 1 and k < 3:
+            got = act.clone()
+            seen.append(_got(got))
+    return seen
+
+
 def case(name: str, rank: int, device: torch.device) -> list[float]:
     """Run one case; the values this rank received, in order."""
     seen: list[float] = []
@@ -67,14 +105,16 @@ def case(name: str, rank: int, device: torch.device) -> list[float]:
             dist.irecv(buf, 0, group=g).wait()
             dist.isend(buf * 2, 0, group=g).wait()
         seen.append(_got(buf))
+    elif name == "batched":
+        seen = _batched(rank, device)
     elif name in ("two-groups", "early-recv", "both-early"):
         act, grad = _groups(2, device)
         nbuf, nxt = torch.zeros(1024, device=device), None
         for k in range(3):
             if rank == 0:
                 if name == "two-groups":
-                    dist.isend(_full(k + 1.0, device), 1, group=act).wait()
-                    dist.irecv(buf, 1, group=grad).wait()
+                    _done(dist.isend(_full(k + 1.0, device), 1, group=act), device)
+                    _done(dist.irecv(buf, 1, group=grad), device)
                 else:
                     back = dist.irecv(buf, 1, group=grad)  # posted before the send on the other group
                     sent = dist.isend(_full(k + 1.0, device), 1, group=act)
@@ -83,7 +123,7 @@ def case(name: str, rank: int, device: torch.device) -> list[float]:
                 seen.append(_got(buf))
             else:
                 if nxt is None:
-                    dist.irecv(buf, 0, group=act).wait()
+                    _done(dist.irecv(buf, 0, group=act), device)
                 else:
                     nxt.wait()  # posted in the previous round
                     buf.copy_(nbuf)
@@ -91,7 +131,10 @@ def case(name: str, rank: int, device: torch.device) -> list[float]:
                 nxt = None
                 if name == "both-early" and k < 2:
                     nxt = dist.irecv(nbuf, 0, group=act)  # the next activation's, before the send
-                dist.isend(got * 2, 0, group=grad).wait()
+                if name == "two-groups":
+                    _done(dist.isend(got * 2, 0, group=grad), device)
+                else:
+                    dist.isend(got * 2, 0, group=grad).wait()
                 seen.append(_got(got))
     elif name == "link":
         p2p = pair_link(rank, device)

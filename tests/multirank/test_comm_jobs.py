@@ -105,7 +105,8 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
     back the gradient send the peer waits for (the first GPU run hung so) and raises; on a group per
     direction the same exchange completes; tags are ignored, so a receive posted out of order gets
     the other message; two ranks starting on different groups wait in NCCL's communicator creation
-    (the second GPU run hung so) unless the groups were warmed in one order. Without the rules gloo
+    (the second GPU run hung so) unless the groups were warmed in one order; a receive and a send
+    posted as one batch proceed together. Without the rules gloo
     completes all of it and pairs by tag."""
     (tmp_path / "on").mkdir(), (tmp_path / "off").mkdir()
     ruled = _two_ranks(varuna_run, tmp_path / "on", "nccl_rules_check.py", "RULES",
@@ -118,6 +119,7 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
         assert ruled[r]["created"].startswith("NcclRuleError"), ruled[r]
         assert "creates a communicator on first use" in ruled[r]["created"]
         assert ruled[r]["warmed"] == "completed"
+        assert ruled[r]["batched"] == [6.0 - r, 6.0 - r]  # the peer's value: the batch went through
     assert ruled[1]["order_b_got"] == [1.0, 1.0, 1.0]  # the first message sent, tag 1's
     plain = _two_ranks(varuna_run, tmp_path / "off", "nccl_rules_check.py", "RULES", VARUNA_TIMEOUT="4")
     assert [plain[r]["installed"] for r in (0, 1)] == [False, False]

@@ -2,7 +2,7 @@
 
     VARUNA_NCCL_RULES=1 varuna run --pipeline 2 tests/scripts/nccl_rules_check.py
 
-Prints "RULES {json}" per rank with five cases:
+Prints "RULES {json}" per rank with six cases:
 - shared: both directions on one group; rank 1 posts a receive for a second activation before it
   sends the gradient rank 0 waits for (as an early receive does): NCCL would hang, the rules raise.
 - split: the same on two groups (`varuna.comm.links`): it completes.
@@ -11,6 +11,9 @@ Prints "RULES {json}" per rank with five cases:
 - created: each rank's first operation is a receive on a group the other starts with a send on the
   other group (as an early gradient receive was): NCCL's creation would hang, the rules raise.
 - warmed: the same on groups made by `varuna.comm.links.warm` first: it completes.
+- batched: on one group, each rank's receive, then its send, posted as one batch
+  (`batch_isend_irecv`): a batch's operations proceed together, so it completes where the same
+  two posted one by one would hold each other back.
 """
 
 from __future__ import annotations
@@ -81,4 +84,17 @@ made = [dist.new_group([0, 1]) for _ in range(4)]
 out["created"] = crossed(made[0], made[1])
 warm([(made[2], 0, 1), (made[3], 0, 1)], rank, torch.device("cpu"))
 out["warmed"] = crossed(made[2], made[3])
+one = dist.new_group([0, 1])
+warm([(one, 0, 1)], rank, torch.device("cpu"))
+back = torch.zeros(2)
+ops = [
+    dist.P2POp(dist.irecv, back, 1 - rank, one),
+    dist.P2POp(dist.isend, torch.full((2,), rank + 5.0), 1 - rank, one),
+]
+try:
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out["batched"] = back.tolist()
+except nccl_rules.NcclRuleError as exc:
+    out["batched"] = f"NcclRuleError: {exc}"
 print("RULES " + json.dumps(out), flush=True)

@@ -19,7 +19,8 @@ hung by rule 3 (a stage's first operation was an early gradient receive, its pee
 receive), which the rules did not have then (the fix: `varuna.comm.links.warm`).
 
 `install()` (``VARUNA_NCCL_RULES=1`` on gloo; `init_distributed` calls it) replaces
-``torch.distributed.isend`` and ``irecv`` with ones that keep both rules: one FIFO worker per
+``torch.distributed.isend``, ``irecv`` and ``batch_isend_irecv`` (a batch's operations proceed
+together, the batch taking one place in each communicator's order) with ones that keep the rules: one FIFO worker per
 (group, rank pair) carries each operation to its end, with tag 0, before it starts the next, and
 is created only once the peer's first operation on that pair has come (met through the job's
 store). A mispairing then delivers a wrong tensor or fails on its size; a hold-back makes ``wait()`` raise
@@ -34,6 +35,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -99,17 +101,18 @@ class _Stream:
         head = self._head
         return "nothing" if head is None else f"{head[0]} ({time.monotonic() - head[1]:.1f} s ago)"
 
-    def post(self, op: Any, tensor: torch.Tensor, peer: int, group: Any, what: str) -> _Work:
+    def post(self, run: Callable[[], object], what: str) -> _Work:
+        """Queue `run` (which carries out one operation, or one batch, to its end)."""
         work = _Work(self, what)
-        self._queue.put((op, tensor, peer, group, work))
+        self._queue.put((run, work))
         return work
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            op, tensor, peer, group, work = item
+            run, work = item
             self._head = (work.what, time.monotonic())
             try:
-                op(tensor, peer, group=group, tag=0)  # NCCL ignores tags: pairing is by order alone
+                run()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 work.error = exc
             finally:
@@ -120,7 +123,7 @@ class _Stream:
         self._queue.put(None)
 
 
-_original: tuple[Any, Any] | None = None
+_original: tuple[Any, Any, Any, Any] | None = None
 _streams: dict[tuple[int, int, int], _Stream] = {}
 _lock = threading.Lock()
 
@@ -173,12 +176,15 @@ def install(timeout_s: float = 120.0) -> None:
     _TIMEOUT_S[0] = timeout_s
     if _original is not None:
         return
-    _original = (dist.isend, dist.irecv)
+    c10d = dist.distributed_c10d
+    _original = (dist.isend, dist.irecv, dist.batch_isend_irecv, c10d._check_op)
     send, recv = dist.send, dist.recv
+    gloo_isend, gloo_irecv = dist.isend, dist.irecv
 
+    # NCCL ignores tags: pairing is by order alone, so every operation goes with tag 0
     def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **_: Any) -> _Work:
         what = f"send of {tuple(tensor.shape)} to rank {dst} (tag {tag})"
-        return _stream(group, dst).post(send, tensor, dst, group, what)
+        return _stream(group, dst).post(lambda: send(tensor, dst, group=group, tag=0), what)
 
     def irecv(
         tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any
@@ -186,9 +192,41 @@ def install(timeout_s: float = 120.0) -> None:
         if src is None:
             raise NcclRuleError("a receive from any source has no NCCL counterpart: name the source rank")
         what = f"receive of {tuple(tensor.shape)} from rank {src} (tag {tag})"
-        return _stream(group, src).post(recv, tensor, src, group, what)
+        return _stream(group, src).post(lambda: recv(tensor, src, group=group, tag=0), what)
 
-    dist.isend, dist.irecv = isend, irecv  # type: ignore[assignment]
+    def batch_isend_irecv(ops: list[Any]) -> list[_Work]:
+        """NCCL runs a batch as one group call: its operations proceed together, and the batch as a
+        whole takes its place in each communicator's order."""
+        works: list[_Work] = []
+        by_pair: dict[tuple[int, int], list[Any]] = {}
+        for op in ops:
+            by_pair.setdefault((id(op.group), op.peer), []).append(op)
+        done: dict[tuple[int, int], _Work] = {}
+        for key, mine in by_pair.items():
+
+            def run(mine: list[Any] = mine) -> None:
+                started = [
+                    (gloo_isend if op.op is isend else gloo_irecv)(op.tensor, op.peer, group=op.group, tag=0)
+                    for op in mine
+                ]
+                for w in started:
+                    if w is not None:
+                        w.wait()
+
+            kinds = ", ".join("send" if op.op is isend else "receive" for op in mine)
+            what = f"batch ({kinds}) with rank {mine[0].peer}"
+            done[key] = _stream(mine[0].group, mine[0].peer).post(run, what)
+        for op in ops:
+            works.append(done[(id(op.group), op.peer)])
+        return works
+
+    def check_op(op: Any) -> None:  # P2POp(dist.isend, ...) must accept these two as well
+        if op not in (isend, irecv):
+            check_original(op)
+
+    check_original = c10d._check_op
+    dist.isend, dist.irecv, dist.batch_isend_irecv = isend, irecv, batch_isend_irecv  # type: ignore[assignment]
+    c10d._check_op = check_op
     if dist.get_rank() == 0:
         print(f"varuna: point-to-point follows NCCL's rules on gloo ({ENV}=1)", file=sys.stderr, flush=True)
 
@@ -202,7 +240,7 @@ def uninstall() -> None:
     global _original
     if _original is None:
         return
-    dist.isend, dist.irecv = _original  # type: ignore[assignment]
+    dist.isend, dist.irecv, dist.batch_isend_irecv, dist.distributed_c10d._check_op = _original  # type: ignore[assignment]
     _original = None
     with _lock:
         for s in _streams.values():
