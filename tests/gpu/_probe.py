@@ -21,7 +21,7 @@ from typing import Any
 from _harness import Context, Transport, check_record, fallback, launch, transport
 from _probe_worker import CASES
 
-TIMEOUT_S = 25.0
+TIMEOUT_S = 20.0
 VARIANTS: tuple[tuple[str, dict[str, str]], ...] = (
     ("NCCL_P2P_DISABLE=1", {"NCCL_P2P_DISABLE": "1"}),
     ("NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),

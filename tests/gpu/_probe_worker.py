@@ -12,6 +12,8 @@ OUT/probe-rank{r}.json. The cases, from the simplest:
               after the other (each operation finished on the device before the next is posted);
 - batched:    one group, each round's send and receive posted together (`batch_isend_irecv`, as
               torch.distributed.pipelining does) and finished before the next round;
+- recv-barrier: rank 1 posts its receive, then joins a barrier (the default group) that rank 0
+              passes before it sends, as the p2p check's worker does at each step's start;
 - early-recv: rank 0 posts its receive on the second group before its send on the first and
               waits for both: two communicators of one process in flight at once, as a stage
               with an early gradient receive has;
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from varuna.comm.links import pair_link, warm
 
-CASES = ("one-group", "two-groups", "batched", "early-recv", "both-early", "link")
+CASES = ("one-group", "two-groups", "batched", "recv-barrier", "early-recv", "both-early", "link")
 
 
 def _device() -> torch.device:
@@ -105,6 +107,20 @@ def case(name: str, rank: int, device: torch.device) -> list[float]:
             dist.irecv(buf, 0, group=g).wait()
             dist.isend(buf * 2, 0, group=g).wait()
         seen.append(_got(buf))
+    elif name == "recv-barrier":
+        (g,) = _groups(1, device)
+        for k in range(3):
+            if rank == 1:
+                work = dist.irecv(buf, 0, group=g)
+                dist.barrier()
+                _done(work, device)
+                seen.append(_got(buf))
+                _done(dist.isend(buf * 2, 0, group=g), device)
+            else:
+                dist.barrier()
+                _done(dist.isend(_full(k + 1.0, device), 1, group=g), device)
+                _done(dist.irecv(buf, 1, group=g), device)
+                seen.append(_got(buf))
     elif name == "batched":
         seen = _batched(rank, device)
     elif name in ("two-groups", "early-recv", "both-early"):

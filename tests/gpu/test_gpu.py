@@ -144,14 +144,14 @@ def test_the_probe_keeps_the_nccl_setting_that_unhangs_point_to_point_or_skips_w
         case = args[1]
         ran.append((case, via.label))
         works = case == "one-group" or (p2p_disable_helps and via.env.get("NCCL_P2P_DISABLE") == "1")
-        return Launched(0 if works else "timeout after 25 s", 1.0, tmp_path / f"{tag}.log")
+        return Launched(0 if works else "timeout after 20 s", 1.0, tmp_path / f"{tag}.log")
 
     monkeypatch.setattr(_probe, "launch", launch)
     monkeypatch.setattr(_probe, "judge", lambda out, case: {"ok": True, "status": "passed"})
     check = _probe.run_probe(ctx)
     assert check["status"] == "failed"  # as NCCL came, it hung: the report says so either way
     failing = [c for c in _probe.CASES if c != "one-group"]
-    assert check["details"]["problems"] == [f"{c}: timeout after 25 s" for c in failing]
+    assert check["details"]["problems"] == [f"{c}: timeout after 20 s" for c in failing]
     variants = check["details"]["variants"]
     if p2p_disable_helps:
         assert check["details"]["kept"] == "NCCL_P2P_DISABLE=1" and list(variants) == ["NCCL_P2P_DISABLE=1"]
