@@ -38,8 +38,7 @@ from varuna.errors import ConfigError, LaunchError
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.pids import check_status, job_processes, pid_alive, terminate
-from varuna.launch.postmortem import _shown, read_reports, summarise
-from varuna.launch.signals import STACKS_SIGNAL
+from varuna.launch.postmortem import _shown, read_reports, show_stacks, summarise
 from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun_command
 from varuna.telemetry.straggler_watch import StragglerWatch, watch_config
 
@@ -340,34 +339,6 @@ class Job:
         else:
             self._kill_at = time.monotonic()
 
-    def _show_stacks(self) -> None:
-        """Have each live rank on this host write its threads' Python stacks (where a hang waits) to
-        its log, and print them here, each line marked with its rank."""
-        asked: dict[int, tuple[Path, int]] = {}
-        for rank, status in sorted(read_reports(self.run_dir, self.job_id)[0].items()):
-            verdict = check_status(status)
-            log = self.run_dir / "logs" / f"rank{rank}.log"
-            if not (verdict.live and verdict.pid and status.get("state") == "running" and log.exists()):
-                continue
-            size = log.stat().st_size
-            try:
-                os.kill(verdict.pid, STACKS_SIGNAL)
-            except ProcessLookupError:
-                continue
-            asked[rank] = (log, size)
-        if not asked:
-            return
-        time.sleep(1.0)  # the ranks write them from their signal handlers
-        print(f"varuna: the Python stacks of ranks {sorted(asked)} at the timeout:", file=self.err)
-        for rank, (log, size) in asked.items():
-            with open(log, "rb") as f:
-                f.seek(size)
-                text = f.read().decode(errors="replace")
-            for line in text.splitlines():
-                if line.strip():
-                    print(f"[rank {rank}] {line}", file=self.err)
-        self.err.flush()
-
     def _job_pids(self) -> set[int]:
         """Live processes of this job on this host: by ``VARUNA_JOB_ID`` in /proc, else status files."""
         pids: set[int]
@@ -394,7 +365,7 @@ class Job:
         if self._deadline is not None and now >= self._deadline and self._stop_signal is None:
             print(f"varuna: job ran past --timeout {self.timeout_s:g} s; stopping it", file=self.err)
             self._timed_out = True
-            self._show_stacks()
+            show_stacks(self.run_dir, self.job_id, self.err)  # where each rank waits
             self.stop(signal.SIGTERM)
         if self._kill_at is not None and now >= self._kill_at:
             self._kill_at = None

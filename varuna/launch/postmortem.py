@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import signal
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from varuna.comm.rendezvous import placement
+from varuna.launch.pids import check_status
+from varuna.launch.signals import STACKS_SIGNAL
 
-__all__ = ["read_reports", "summarise"]
+__all__ = ["read_reports", "show_stacks", "summarise"]
 
 # Hydra's "PID 123 RUNNING AT host / EXIT CODE: 9 ... (signal 9)": *a* rank that died of a signal,
 # not necessarily the first (it often names one that it killed itself).
@@ -131,3 +136,32 @@ def summarise(
             lines.append(f"varuna: {_ranks(missing)} never started (see the output above)")
         lines.append(f"varuna: {launcher} exited with code {mpiexec_code} — logs: {_shown(run_dir / 'logs')}")
     return lines
+
+
+def show_stacks(run_dir: Path, job: str, err: TextIO | io.TextIOBase) -> None:
+    """Have each live rank of `job` on this host write its threads' Python stacks (where a hang
+    waits) to its log, and print them to `err`, each line marked with its rank."""
+    asked: dict[int, tuple[Path, int]] = {}
+    for rank, status in sorted(read_reports(run_dir, job)[0].items()):
+        verdict = check_status(status)
+        log = run_dir / "logs" / f"rank{rank}.log"
+        if not (verdict.live and verdict.pid and status.get("state") == "running" and log.exists()):
+            continue
+        size = log.stat().st_size
+        try:
+            os.kill(verdict.pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            continue
+        asked[rank] = (log, size)
+    if not asked:
+        return
+    time.sleep(1.0)  # the ranks write them from their signal handlers
+    print(f"varuna: the Python stacks of ranks {sorted(asked)} at the timeout:", file=err)
+    for rank, (log, size) in asked.items():
+        with open(log, "rb") as f:
+            f.seek(size)
+            text = f.read().decode(errors="replace")
+        for line in text.splitlines():
+            if line.strip():
+                print(f"[rank {rank}] {line}", file=err)
+    err.flush()
