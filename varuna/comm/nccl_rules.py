@@ -20,12 +20,13 @@ receive), which the rules did not have then (the fix: `varuna.comm.links.warm`).
 
 `install()` (``VARUNA_NCCL_RULES=1`` on gloo; `init_distributed` calls it) replaces
 ``torch.distributed.isend``, ``irecv`` and ``batch_isend_irecv`` (a batch's operations proceed
-together, the batch taking one place in each communicator's order) with ones that keep the rules: one FIFO worker per
-(group, rank pair) carries each operation to its end, with tag 0, before it starts the next, and
-is created only once the peer's first operation on that pair has come (met through the job's
-store). A mispairing then delivers a wrong tensor or fails on its size; a hold-back makes ``wait()`` raise
-`NcclRuleError` after ``VARUNA_TIMEOUT`` seconds, naming the communicator and the operation at its
-head, or a creation the peer never joined. Collectives keep gloo's behaviour (they run in one order on every rank anyway).
+together, the batch taking one place in each communicator's order) with ones that keep the rules:
+one FIFO worker per (group, rank pair) carries each operation to its end, with tag 0, before it
+starts the next, and is created only once the peer's first operation on that pair has come (met
+through the job's store). A mispairing then delivers a wrong tensor or fails on its size; a
+hold-back makes ``wait()`` raise `NcclRuleError` after ``VARUNA_TIMEOUT`` seconds, naming the
+communicator and the operation at its head, or a creation the peer never joined. Collectives keep
+gloo's behaviour (they run in one order on every rank anyway).
 """
 
 from __future__ import annotations
