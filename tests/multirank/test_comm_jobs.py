@@ -126,3 +126,11 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
     for case in ("shared", "created", "warmed"):
         assert [plain[r][case] for r in (0, 1)] == ["completed", "completed"]
     assert plain[1]["order_b_got"] == [2.0, 2.0, 2.0]  # gloo matches tag 2
+    # strict (rule 4: a rank's operations on every communicator in one order): a batch still goes
+    # through, but a receive posted early on one group holds back a send on the other
+    (tmp_path / "strict").mkdir()
+    strict = _two_ranks(varuna_run, tmp_path / "strict", "nccl_rules_check.py", "RULES",
+                        VARUNA_NCCL_RULES="strict", VARUNA_TIMEOUT="4", RULES_CASES="batched,split")  # fmt: skip
+    for r in (0, 1):
+        assert strict[r]["batched"] == [6.0 - r, 6.0 - r]
+        assert strict[r]["split"].startswith("NcclRuleError") and "strict: rule 4" in strict[r]["split"]

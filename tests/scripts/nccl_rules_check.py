@@ -1,6 +1,7 @@
 """Two ranks under VARUNA_NCCL_RULES=1: what NCCL would do, shown on gloo (test_comm_jobs).
 
     VARUNA_NCCL_RULES=1 varuna run --pipeline 2 tests/scripts/nccl_rules_check.py
+    RULES_CASES=batched,split VARUNA_NCCL_RULES=strict varuna run ...   # these cases, in this order
 
 Prints "RULES {json}" per rank with six cases:
 - shared: both directions on one group; rank 1 posts a receive for a second activation before it
@@ -19,6 +20,7 @@ Prints "RULES {json}" per rank with six cases:
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,10 @@ from varuna.comm.rendezvous import init_distributed
 
 rank, _ = init_distributed()
 out: dict[str, object] = {"installed": nccl_rules.installed()}
-act, grad = dist.new_group([0, 1]), dist.new_group([0, 1])
-first = dist.new_group([0, 1])
+# every group up front, in one order on every rank (whichever cases run)
+act, grad, first, order = (dist.new_group([0, 1]) for _ in range(4))
+made = [dist.new_group([0, 1]) for _ in range(4)]
+one = dist.new_group([0, 1])
 
 
 def exchange(a_group: object, g_group: object) -> str:
@@ -52,19 +56,18 @@ def exchange(a_group: object, g_group: object) -> str:
     return "completed"
 
 
-out["split"] = exchange(act, grad)
-out["shared"] = exchange(first, first)
-order = dist.new_group([0, 1])
-got = torch.zeros(3)
-if rank == 0:
-    sends = [dist.isend(torch.full((3,), v), 1, group=order, tag=t) for v, t in ((1.0, 1), (2.0, 2))]
-    for w in sends:
-        w.wait()
-else:
-    recvs = [dist.irecv(got, 0, group=order, tag=2), dist.irecv(torch.zeros(3), 0, group=order, tag=1)]
-    for w in recvs:
-        w.wait()
-out["order_b_got"] = got.tolist()
+def ordered() -> list[float]:
+    """rank 0 sends A (tag 1) then B (tag 2); rank 1 posts B's receive first: what it got."""
+    got = torch.zeros(3)
+    if rank == 0:
+        sends = [dist.isend(torch.full((3,), v), 1, group=order, tag=t) for v, t in ((1.0, 1), (2.0, 2))]
+        for w in sends:
+            w.wait()
+    else:
+        recvs = [dist.irecv(got, 0, group=order, tag=2), dist.irecv(torch.zeros(3), 0, group=order, tag=1)]
+        for w in recvs:
+            w.wait()
+    return got.tolist()
 
 
 def crossed(one: object, other: object) -> str:
@@ -80,21 +83,34 @@ def crossed(one: object, other: object) -> str:
     return "completed"
 
 
-made = [dist.new_group([0, 1]) for _ in range(4)]
-out["created"] = crossed(made[0], made[1])
-warm([(made[2], 0, 1), (made[3], 0, 1)], rank, torch.device("cpu"))
-out["warmed"] = crossed(made[2], made[3])
-one = dist.new_group([0, 1])
-warm([(one, 0, 1)], rank, torch.device("cpu"))
-back = torch.zeros(2)
-ops = [
-    dist.P2POp(dist.irecv, back, 1 - rank, one),
-    dist.P2POp(dist.isend, torch.full((2,), rank + 5.0), 1 - rank, one),
-]
-try:
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    out["batched"] = back.tolist()
-except nccl_rules.NcclRuleError as exc:
-    out["batched"] = f"NcclRuleError: {exc}"
+def warmed() -> str:
+    warm([(made[2], 0, 1), (made[3], 0, 1)], rank, torch.device("cpu"))
+    return crossed(made[2], made[3])
+
+
+def batched() -> list[float] | str:
+    warm([(one, 0, 1)], rank, torch.device("cpu"))
+    back = torch.zeros(2)
+    ops = [
+        dist.P2POp(dist.irecv, back, 1 - rank, one),
+        dist.P2POp(dist.isend, torch.full((2,), rank + 5.0), 1 - rank, one),
+    ]
+    try:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    except nccl_rules.NcclRuleError as exc:
+        return f"NcclRuleError: {exc}"
+    return back.tolist()
+
+
+CASES = {
+    "split": lambda: exchange(act, grad),
+    "shared": lambda: exchange(first, first),
+    "order_b_got": ordered,
+    "created": lambda: crossed(made[0], made[1]),
+    "warmed": warmed,
+    "batched": batched,
+}
+for name in os.environ.get("RULES_CASES", ",".join(CASES)).split(","):
+    out[name] = CASES[name]()
 print("RULES " + json.dumps(out), flush=True)

@@ -9,7 +9,12 @@ NCCL differs from gloo in three ways that decide whether a pipeline's messages a
    send on that communicator, and two ranks that each wait for the other's held-back send hang;
 3. it creates a pair's communicator on the first send or receive there (torch's lazy start), and
    creation blocks the caller until the peer's first call there arrives too: two ranks whose first
-   operations are on different groups each wait in creation for the other.
+   operations are on different groups each wait in creation for the other;
+4. (``VARUNA_NCCL_RULES=strict`` only) NCCL does not promise that operations of different
+   communicators on one GPU run at the same time (its guide: use them in separate epochs, or post
+   them in the same order on every rank): strict runs every point-to-point operation of a rank,
+   whatever its communicator, one after another in posting order, the worst case that promise
+   allows. What passes strict needs no concurrency from the GPU.
 
 gloo does neither (tags match, operations proceed independently), so a schedule can pass every CPU
 test and hang on its first GPU step. That happened: the first GPU run of the checks hung in 120 s,
@@ -45,7 +50,7 @@ import torch.distributed as dist
 
 from varuna.errors import VarunaError
 
-__all__ = ["NcclRuleError", "install", "installed", "uninstall", "wanted"]
+__all__ = ["NcclRuleError", "install", "installed", "strict_wanted", "uninstall", "wanted"]
 
 ENV = "VARUNA_NCCL_RULES"
 
@@ -56,6 +61,11 @@ class NcclRuleError(VarunaError, RuntimeError):
 
 def wanted() -> bool:
     return os.environ.get(ENV, "").strip() not in ("", "0")
+
+
+def strict_wanted() -> bool:
+    """``VARUNA_NCCL_RULES=strict``: rule 4 as well (see the module docstring)."""
+    return os.environ.get(ENV, "").strip().lower() == "strict"
 
 
 class _Work:
@@ -149,7 +159,10 @@ def _stream(group: Any, peer: int) -> _Stream:
             new = False
     if new:
         _create(stream, me, peer)
-    return stream
+    return _SERIAL[0] or stream
+
+
+_SERIAL: list[_Stream | None] = [None]  # rule 4 (strict): one order for every communicator
 
 
 def _create(stream: _Stream, me: int, peer: int) -> None:
@@ -170,13 +183,15 @@ def _create(stream: _Stream, me: int, peer: int) -> None:
         ) from exc
 
 
-def install(timeout_s: float = 120.0) -> None:
+def install(timeout_s: float = 120.0, *, strict: bool = False) -> None:
     """Route ``torch.distributed.isend``/``irecv`` through NCCL's rules (idempotent); a send or
-    receive not done after `timeout_s` raises `NcclRuleError`."""
+    receive not done after `timeout_s` raises `NcclRuleError`. `strict`: rule 4 too."""
     global _original
     _TIMEOUT_S[0] = timeout_s
     if _original is not None:
         return
+    if strict:
+        _SERIAL[0] = _Stream("every communicator of this rank, in posting order (strict: rule 4)")
     c10d = dist.distributed_c10d
     _original = (dist.isend, dist.irecv, dist.batch_isend_irecv, c10d._check_op)
     send, recv = dist.send, dist.recv
@@ -229,7 +244,10 @@ def install(timeout_s: float = 120.0) -> None:
     dist.isend, dist.irecv, dist.batch_isend_irecv = isend, irecv, batch_isend_irecv  # type: ignore[assignment]
     c10d._check_op = check_op
     if dist.get_rank() == 0:
-        print(f"varuna: point-to-point follows NCCL's rules on gloo ({ENV}=1)", file=sys.stderr, flush=True)
+        said = "strict" if strict else "1"
+        print(
+            f"varuna: point-to-point follows NCCL's rules on gloo ({ENV}={said})", file=sys.stderr, flush=True
+        )
 
 
 def installed() -> bool:
@@ -247,3 +265,6 @@ def uninstall() -> None:
         for s in _streams.values():
             s.close()
         _streams.clear()
+    if _SERIAL[0] is not None:
+        _SERIAL[0].close()
+        _SERIAL[0] = None

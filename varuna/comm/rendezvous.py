@@ -433,7 +433,7 @@ def init_distributed(*, timeout_s: float | None = None) -> tuple[int, int]:
     from varuna.comm import nccl_rules
 
     if backend == "gloo" and nccl_rules.wanted():  # point-to-point under NCCL's rules
-        nccl_rules.install(timeout.total_seconds())
+        nccl_rules.install(timeout.total_seconds(), strict=nccl_rules.strict_wanted())
     return dist.get_rank(), dist.get_world_size()
 
 
