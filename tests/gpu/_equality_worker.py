@@ -1,6 +1,7 @@
 """GPU check: every schedule, GPT and BERT, trained at one P x D on the job's device.
 
     varuna run --pipeline P --data D tests/gpu/_equality_worker.py OUT STEPS [MODEL ...]
+    EQUALITY_SCHEDULES=gpipe,1f1b ...   # only these schedules (default: every one)
 
 The models, data, batch shape and optimizer are the transparency test's (tests/scripts/
 transparency_common.py), so the run that proves equality on CPU is the same one proved here on
@@ -31,8 +32,9 @@ def main() -> None:
     out, steps = Path(sys.argv[1]), int(sys.argv[2])
     kinds = sys.argv[3:] or list(MODELS)
     P, D = int(os.environ["VARUNA_PIPELINE"]), int(os.environ["VARUNA_DATA"])
+    only = os.environ.get("EQUALITY_SCHEDULES")
     for kind in kinds:
-        for schedule in SCHEDULES:
+        for schedule in only.split(",") if only else SCHEDULES:
             data = dataset(kind)
             folder = out / f"{kind}-{P}x{D}-{schedule}"
             folder.mkdir(parents=True, exist_ok=True)

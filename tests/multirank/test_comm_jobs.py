@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _helpers import SCRIPTS
+from _helpers import REPO, SCRIPTS
 
 pytestmark = pytest.mark.multirank
 
@@ -134,3 +135,33 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
     for r in (0, 1):
         assert strict[r]["batched"] == [6.0 - r, 6.0 - r]
         assert strict[r]["split"].startswith("NcclRuleError") and "strict: rule 4" in strict[r]["split"]
+
+
+ONE_CHUNK = ("gpipe", "1f1b", "varuna", "zb-h1")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("data", [1, 2])
+def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
+    tmp_path: Path, varuna_run, data: int
+) -> None:
+    """Under VARUNA_NCCL_RULES=strict (a rank's operations on every communicator in one posting
+    order: what NCCL promises at the least) the early-receive links hang, as the GPU runs did; the
+    engine then takes `varuna.comm.serial` (one group per pipeline, sends batched with the next
+    receive), and every one-chunk schedule trains GPT and BERT at 2xD exactly as plain training."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from _harness import compare
+
+    done = varuna_run(
+        [REPO / "tests" / "gpu" / "_equality_worker.py", tmp_path / "out", "3"],
+        pipeline=2, data=data, run_dir=tmp_path / "run", flags=["--timeout", "200"], cwd=tmp_path,
+        env={"VARUNA_NCCL_RULES": "strict", "VARUNA_TIMEOUT": "20", "EQUALITY_SCHEDULES": ",".join(ONE_CHUNK)},
+        timeout=220, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "follows NCCL's rules on gloo (VARUNA_NCCL_RULES=strict)" in done.stdout + done.stderr
+    for kind in ("gpt", "bert"):
+        for schedule in ONE_CHUNK:
+            result = compare(tmp_path / "out" / f"{kind}-2x{data}-{schedule}", kind, 2 * data, data, 3, 1e-5)
+            assert result["ok"], (kind, schedule, result)

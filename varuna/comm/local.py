@@ -64,6 +64,9 @@ class LocalLink:
             )
         return box.pop(mb)
 
+    def flush(self) -> None:
+        """Nothing is held back here (see `varuna.comm.serial`)."""
+
     def finish(self) -> None:
         pass
 

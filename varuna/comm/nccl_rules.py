@@ -183,6 +183,16 @@ def _create(stream: _Stream, me: int, peer: int) -> None:
         ) from exc
 
 
+def _run_batch(ops: list[Any], gloo_isend: Any, gloo_irecv: Any, isend: Any) -> None:
+    started = [
+        (gloo_isend if op.op is isend else gloo_irecv)(op.tensor, op.peer, group=op.group, tag=0)
+        for op in ops
+    ]
+    for w in started:
+        if w is not None:
+            w.wait()
+
+
 def install(timeout_s: float = 120.0, *, strict: bool = False) -> None:
     """Route ``torch.distributed.isend``/``irecv`` through NCCL's rules (idempotent); a send or
     receive not done after `timeout_s` raises `NcclRuleError`. `strict`: rule 4 too."""
@@ -218,16 +228,17 @@ def install(timeout_s: float = 120.0, *, strict: bool = False) -> None:
         for op in ops:
             by_pair.setdefault((id(op.group), op.peer), []).append(op)
         done: dict[tuple[int, int], _Work] = {}
+        if _SERIAL[0] is not None:  # strict: the whole batch is one unit of the rank's one order
+            for mine in by_pair.values():
+                _stream(mine[0].group, mine[0].peer)  # each pair's communicator is made first
+            unit = _SERIAL[0].post(
+                lambda: _run_batch(ops, gloo_isend, gloo_irecv, isend), f"batch of {len(ops)}"
+            )
+            return [unit for _ in ops]
         for key, mine in by_pair.items():
 
             def run(mine: list[Any] = mine) -> None:
-                started = [
-                    (gloo_isend if op.op is isend else gloo_irecv)(op.tensor, op.peer, group=op.group, tag=0)
-                    for op in mine
-                ]
-                for w in started:
-                    if w is not None:
-                        w.wait()
+                _run_batch(mine, gloo_isend, gloo_irecv, isend)
 
             kinds = ", ".join("send" if op.op is isend else "receive" for op in mine)
             what = f"batch ({kinds}) with rank {mine[0].peer}"

@@ -452,6 +452,9 @@ class P2P:
             self.bytes_sent += g.numel() * g.element_size()
         self.comm_s += time.perf_counter() - t0
 
+    def flush(self) -> None:
+        """Nothing is held back here (see `varuna.comm.serial`)."""
+
     def finish(self) -> None:
         """Wait for every send of the step (their buffers must stay alive until then)."""
         t0 = time.perf_counter()

@@ -33,6 +33,8 @@ from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
 from varuna.comm.buckets import GradBuckets
 from varuna.comm.links import boundary_groups
+from varuna.comm.serial import Courier, replica_group
+from varuna.comm.serial import wanted as serial_wanted
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
 from varuna.elastic.protocol import MORPH_EXIT, StopRequest
@@ -170,10 +172,15 @@ class Varuna:
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
-        groups = boundary_groups(P, cfg.engine.data, P * spec.chunks_per_rank, rank_of, position=self.stage,
-                                 replica=self.replica, device=self.device)  # fmt: skip
+        if serial_wanted(
+            self.device, spec.chunks_per_rank, cfg.engine.schedule
+        ):  # NCCL: just-in-time batches
+            courier, groups = Courier(replica_group(P, cfg.engine.data, self.replica, self.device)), None
+        else:
+            courier, groups = None, boundary_groups(P, cfg.engine.data, P * spec.chunks_per_rank, rank_of,
+                                                    position=self.stage, replica=self.replica, device=self.device)  # fmt: skip
         chunks = _stage.chunk_links(self.chunk_stages, P * spec.chunks_per_rank, rank_of, self.rank, self.stage,
-                                    self.device, groups)  # fmt: skip
+                                    self.device, groups, courier=courier)  # fmt: skip
         names = cut_names(model)
         position = {name: i for i, name in enumerate(self.trace.cut_names)}
         index_of = {mid: position.get(name, -1) for mid, name in names.items()}

@@ -275,6 +275,8 @@ class StageRuntime:
                         self._execute(a)
                     continue
             self._execute(queue.pop(0))
+        for link in self.links:
+            link.flush()  # held sends go out before the step's collectives (`varuna.comm.serial`)
         self.times.total_s = time.perf_counter() - start
         self.times.idle_s = sum(link.idle_s for link in self.links) - idle0
         self.times.comm_s += sum(link.comm_s for link in self.links) - comm0
@@ -309,6 +311,8 @@ class StageRuntime:
         t0 = time.perf_counter()
         try:
             if action.kind == "ALLREDUCE":
+                for link in self.links:
+                    link.flush()
                 self.allreduce()
             else:
                 getattr(self, "_do_" + action.kind)(self.chunks[action.stage], action.microbatch)

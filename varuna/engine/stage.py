@@ -255,22 +255,29 @@ def broadcast_initial_values(
 
 def chunk_links(
     stages: list[int], num_stages: int, rank_of: Callable[[int], int], rank: int, position: int,
-    device: torch.device, groups: dict[int, tuple[Any, Any]] | None = None,
+    device: torch.device, groups: dict[int, tuple[Any, Any]] | None = None, *, courier: Any = None,
 ) -> list[tuple[Any, Any]]:  # fmt: skip
     """For each virtual stage this rank holds, its (up, down) links: a `P2P` to the ranks holding the
     neighbouring stages (one per chunk, on tags and `groups` of its own: `varuna.comm.links`), or a
-    `LocalLink` where the neighbour is a chunk of this rank. With one chunk per rank: one P2P."""
+    `LocalLink` where the neighbour is a chunk of this rank. With one chunk per rank: one P2P. With a
+    `courier` (`varuna.comm.serial`), `SerialLink`s through it instead of P2Ps."""
     from varuna.comm.local import LocalLink
     from varuna.comm.p2p import P2P
+    from varuna.comm.serial import SerialLink
 
     groups = groups or {}
+
+    def make(prev: int | None, nxt: int | None, device: torch.device, **kw: Any) -> Any:
+        if courier is not None:  # `varuna.comm.serial`: every link of this rank through one courier
+            return SerialLink(prev, nxt, device, courier)
+        return P2P(prev, nxt, device, **kw)
 
     def global_rank(v: int) -> int:
         return rank - position + rank_of(v)
 
     if len(stages) == 1:
         v = stages[0]
-        p2p = P2P(
+        p2p = make(
             global_rank(v - 1) if v > 0 else None,
             global_rank(v + 1) if v < num_stages - 1 else None,
             device,
@@ -284,7 +291,7 @@ def chunk_links(
         prev = None if v == 0 or v in local else global_rank(v - 1)
         nxt = None if v == num_stages - 1 or v + 1 in local else global_rank(v + 1)
         link: Any = (
-            P2P(prev, nxt, device, tags=(v, v + 1), up=groups.get(v - 1), down=groups.get(v))
+            make(prev, nxt, device, tags=(v, v + 1), up=groups.get(v - 1), down=groups.get(v))
             if prev is not None or nxt is not None
             else None
         )
