@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -127,7 +128,10 @@ def main() -> None:
     ds = SyntheticLM(cfg.vocab_size, cfg.seq_len, max(B * (warmup + steps), 256), seed=0)
     batches = [collate([ds[i] for i in global_indices(s, B, len(ds))]) for s in range(warmup + steps)]
     P, M = dist.get_world_size(), B // mbs
-    results = {s: bench_schedule(s, cfg, batches, B, mbs, warmup) for s in SCHEDULES}
+    only = os.environ.get("BENCH_SCHEDULES")
+    results = {
+        s: bench_schedule(s, cfg, batches, B, mbs, warmup) for s in (only.split(",") if only else SCHEDULES)
+    }
     single = bench_single(cfg, batches, mbs, warmup) if dist.get_rank() == 0 else 0.0
     dist.barrier()
     if dist.get_rank() != 0:
@@ -143,6 +147,7 @@ def main() -> None:
         "steps": steps,
         "single_step_s": single,
         "single_samples_per_s": B / single,
+        "asked": list(results),
         "schedules": results,
     }
     out.write_text(json.dumps(report))

@@ -67,7 +67,11 @@ class Context:
     nccl_env: dict[str, str] | None = None
     """NCCL settings the probe found point-to-point to need here (added to every NCCL job)."""
     p2p_hangs: str | None = None
-    """Why point-to-point over NCCL would hang here, when the probe found no setting that helps."""
+    """Why the engine's links on NCCL (`varuna.comm.serial`) would hang here: the probe's `serial`
+    case failed under every setting tried."""
+    early_hangs: str | None = None
+    """Why `P2P`'s early receives (two chunks per rank on NCCL too) would hang here: the probe's
+    `link` case failed under every setting tried."""
     logs: list[Path] = field(default_factory=list)
 
     def left_s(self) -> float:

@@ -58,10 +58,14 @@ def run_probe(ctx: Context) -> dict[str, Any]:
                 details["kept"] = label
                 break
         if ctx.nccl_env is None:
-            ctx.p2p_hangs = (
-                f"nccl-probe's {failing} failed on NCCL, also under {[v for v, _ in VARIANTS]}: "
-                "a job talking point-to-point over NCCL would hang the same"
-            )
+            tried = [v for v, _ in VARIANTS]
+            for case, field, what in (
+                ("serial", "p2p_hangs", "the engine's links"),
+                ("link", "early_hangs", "P2P's early receives"),
+            ):
+                if case in failing:
+                    why = f"nccl-probe's {case} case failed on NCCL, also under {tried}: a job over {what} would hang the same"
+                    setattr(ctx, field, why)
     status = "failed" if failing else "passed"
     return check_record(
         name, status, time.perf_counter() - t0, transport=via.label, cuda=via.cuda, details=details
@@ -91,9 +95,8 @@ def _case(ctx: Context, case: str, via: Transport, suffix: str) -> tuple[dict[st
 
 def judge(out: Path, case: str) -> dict[str, Any]:
     """Each rank saw exactly the values sent: rank 1 the activations, rank 0 twice them back."""
-    sent = {"one-group": [1.0], "link": [10.0 * s + m for s in range(2) for m in range(3)]}.get(
-        case, [1.0, 2.0, 3.0]
-    )
+    steps = [10.0 * s + m for s in range(2) for m in range(3)]
+    sent = {"one-group": [1.0], "link": steps, "serial": steps}.get(case, [1.0, 2.0, 3.0])
     ranks = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
     want = [[2 * v for v in sent], sent]
     problems = [

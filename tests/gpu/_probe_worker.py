@@ -20,7 +20,9 @@ OUT/probe-rank{r}.json. The cases, from the simplest:
 - both-early: rank 1 also posts its next receive on the first group before it sends on the
               second (what the runtime does every micro-batch);
 - link:       `varuna.comm.links.pair_link`'s P2P, 2 steps x 3 micro-batches, every header
-              receive posted at the start of a step (as the runtime does).
+              receive posted at the start of a step (as the runtime does);
+- serial:     `varuna.comm.serial`'s links (the engine's on NCCL with one chunk per rank): one
+              group, sends batched with the next receive, the same 2 steps x 3 micro-batches.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from varuna.comm.links import pair_link, warm
+from varuna.comm.serial import Courier, SerialLink, replica_group
 
-CASES = ("one-group", "two-groups", "batched", "recv-barrier", "early-recv", "both-early", "link")
+CASES = ("one-group", "two-groups", "batched", "recv-barrier", "early-recv", "both-early", "link", "serial")
 
 
 def _device() -> torch.device:
@@ -171,6 +174,23 @@ def case(name: str, rank: int, device: torch.device) -> list[float]:
                     p2p.send_grad(mb, x)
             p2p.finish()
         p2p.close()
+    elif name == "serial":
+        courier = Courier(replica_group(2, 1, 0, device))
+        link = SerialLink(None, 1, device, courier) if rank == 0 else SerialLink(0, None, device, courier)
+        for step in range(2):
+            link.begin_step([{}] * 3)
+            for mb in range(3):
+                if rank == 0:
+                    link.send_activation(mb, _full(10.0 * step + mb, device))
+                    seen.append(_got(link.recv_grad(mb)[0]))
+                else:
+                    x = link.recv_activation(mb)
+                    assert isinstance(x, torch.Tensor)
+                    seen.append(_got(x))
+                    x.grad = 2 * x.detach()
+                    link.send_grad(mb, x)
+            link.flush()
+            link.finish()
     else:
         raise SystemExit(f"unknown case {name!r}; expected one of {CASES}")
     if device.type == "cuda":

@@ -35,7 +35,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ import torch  # noqa: E402
 from _harness import (  # noqa: E402
     Context,
     Launched,
+    Transport,
     check_record,
     compare,
     environment,
@@ -58,7 +59,7 @@ from _p2p_worker import STEPS as P2P_STEPS  # noqa: E402
 from _probe import run_probe  # noqa: E402
 
 from varuna.errors import ConfigError  # noqa: E402
-from varuna.schedule import SCHEDULES  # noqa: E402
+from varuna.schedule import SCHEDULES, schedule_spec  # noqa: E402
 
 BUDGET_S = 480.0
 MODELS = ("gpt", "bert")
@@ -74,18 +75,23 @@ def run_phase(
     data: int,
     timeout_s: float,
     judge: Judge,
+    *,
+    env: dict[str, str] | None = None,
+    early: bool = False,
 ) -> dict[str, Any]:
     """One check: launch its job (rerun on gloo if NCCL refuses ranks sharing a GPU), then judge
-    the files it wrote."""
+    the files it wrote. `env`: added to the job's; `early`: the job talks through `P2P`'s early
+    receives (two chunks per rank, the p2p check), not the engine's serial links on NCCL."""
     if ctx.left_s() < 20:
         return check_record(
             name, "not run", 0.0, details={"reason": f"under 20 s of the {ctx.budget_s:g} s budget left"}
         )
     via = transport(ctx, pipeline * data)
-    if ctx.p2p_hangs and via.cuda and pipeline > 1:
-        return check_record(
-            name, "not run", 0.0, transport=via.label, cuda=True, details={"reason": ctx.p2p_hangs}
-        )
+    hangs = ctx.early_hangs if early else ctx.p2p_hangs
+    if hangs and via.cuda and pipeline > 1:
+        return check_record(name, "not run", 0.0, transport=via.label, cuda=True, details={"reason": hangs})
+    if env:
+        via = Transport(via.label, {**via.env, **env}, cuda=via.cuda)
     out = ctx.work / name
     out.mkdir()
     details: dict[str, Any] = {}
@@ -99,6 +105,8 @@ def run_phase(
         shutil.rmtree(out)
         out.mkdir()
         via = fallback()
+        if env:
+            via = Transport(via.label, {**via.env, **env}, cuda=via.cuda)
         done = launch(
             ctx,
             name + "-gloo",
@@ -147,11 +155,11 @@ def judge_p2p(out: Path) -> dict[str, Any]:
     }
 
 
-def judge_equality(pipeline: int, data: int, steps: int, rtol: float) -> Judge:
+def judge_equality(pipeline: int, data: int, steps: int, rtol: float, schedules: Sequence[str]) -> Judge:
     def judge(out: Path) -> dict[str, Any]:
         runs = {}
         for kind in MODELS:
-            for schedule in SCHEDULES:
+            for schedule in schedules:
                 tag = f"{kind}-{pipeline}x{data}-{schedule}"
                 runs[tag] = compare(out / tag, kind, pipeline * data, data, steps, rtol)
         failing = [t for t, r in runs.items() if not r["ok"]]
@@ -160,7 +168,7 @@ def judge_equality(pipeline: int, data: int, steps: int, rtol: float) -> Judge:
             "ok": not failing,
             "rtol": rtol,
             "steps": steps,
-            "schedules": list(SCHEDULES),
+            "schedules": list(schedules),
             "max_loss_rel": max((r["loss_rel"] for r in ran), default=None),
             "max_param_rel": max((r["param_rel"] for r in ran), default=None),
             "failing": failing,
@@ -174,7 +182,7 @@ def judge_bench(out: Path) -> dict[str, Any]:
     report = json.loads((out / "bench.json").read_text())
     rows = report["schedules"]
     finite = all(all(map(_finite, r["losses"])) for r in rows.values())
-    missing = [s for s in SCHEDULES if s not in rows]
+    missing = [s for s in report.get("asked", SCHEDULES) if s not in rows]
     return {
         "ok": finite and not missing,  # a bench reports; it fails only if a schedule did not train
         "problems": ([] if finite else ["a loss is not finite"]) + [f"{s} missing" for s in missing],
@@ -232,13 +240,25 @@ def run(device: str, *, quick: bool, budget_s: float, rtol: float | None, work: 
     size, warmup, timed = (
         ("tiny", 1, 2) if quick else (("bench", 3, 10) if device == "cuda" else ("bench", 1, 3))
     )
-    checks = [run_probe(ctx), run_phase(ctx, "p2p", "_p2p_worker.py", [], 2, 1, 120, judge_p2p)]
-    for P, D in ((1, 1), (2, 1), (2, 2)):
-        name = f"equality-{P}x{D}"
-        judge = judge_equality(P, D, steps, rtol)
-        checks.append(run_phase(ctx, name, "_equality_worker.py", [str(steps)], P, D, 180, judge))
+    checks = [run_probe(ctx), run_phase(ctx, "p2p", "_p2p_worker.py", [], 2, 1, 120, judge_p2p, early=True)]
+    one = [s for s in SCHEDULES if schedule_spec(s).chunks_per_rank == 1]
+    chunked = [s for s in SCHEDULES if s not in one]
+    phases = [("equality-1x1", 1, 1, list(SCHEDULES))]
+    for P, D in ((2, 1), (2, 2)):
+        # two chunks per rank keep P2P's early receives on NCCL too: their own job, so that one
+        # hanging leaves the others' answers
+        phases += [(f"equality-{P}x{D}", P, D, one), (f"equality-{P}x{D}-chunks", P, D, chunked)]
+    for name, P, D, schedules in phases:
+        judge = judge_equality(P, D, steps, rtol, schedules)
+        env = {"EQUALITY_SCHEDULES": ",".join(schedules)}
+        early = name.endswith("-chunks")
+        checks.append(
+            run_phase(ctx, name, "_equality_worker.py", [str(steps)], P, D, 150, judge, env=env, early=early)
+        )
     bench_args = [size, str(warmup), str(timed)]
-    checks.append(run_phase(ctx, "bench-2x1", "_bench_worker.py", bench_args, 2, 1, 240, judge_bench))
+    benched = one if ctx.early_hangs and transport(ctx, 2).cuda else list(SCHEDULES)
+    checks.append(run_phase(ctx, "bench-2x1", "_bench_worker.py", bench_args, 2, 1, 240, judge_bench,
+                            env={"BENCH_SCHEDULES": ",".join(benched)}))  # fmt: skip
     for c in checks:
         print(
             f"{c['name']:<14} {c['status']:<7} {c['seconds']:>6.1f} s  {c.get('transport', '')}: {_summary(c)}",

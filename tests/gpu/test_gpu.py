@@ -17,7 +17,10 @@ from varuna.errors import ConfigError
 from varuna.schedule import SCHEDULES
 
 SCRIPT = REPO / "tests" / "gpu" / "run_gpu_checks.py"
-NAMES = ["nccl-probe", "p2p", "equality-1x1", "equality-2x1", "equality-2x2", "bench-2x1"]
+NAMES = [
+    "nccl-probe", "p2p", "equality-1x1", "equality-2x1", "equality-2x1-chunks", "equality-2x2",
+    "equality-2x2-chunks", "bench-2x1",
+]  # fmt: skip
 sys.path.insert(0, str(SCRIPT.parent))
 
 
@@ -35,9 +38,13 @@ def _run(tmp_path: Path, *flags: str, timeout: float) -> dict:
     assert [c["name"] for c in report["checks"]] == NAMES
     for check in report["checks"]:
         if check["name"].startswith("equality"):  # every schedule, both models, equal
-            assert len(check["details"]["runs"]) == 2 * len(SCHEDULES)
+            assert len(check["details"]["runs"]) == 2 * len(check["details"]["schedules"])
         if check["name"] == "bench-2x1":
             assert set(check["details"]["schedules"]) == set(SCHEDULES)
+    ran = [
+        s for c in report["checks"] if c["name"].startswith("equality-2x1") for s in c["details"]["schedules"]
+    ]
+    assert sorted(ran) == sorted(SCHEDULES)  # the one-chunk job and the two-chunk job: every schedule
     return report
 
 
@@ -58,9 +65,9 @@ def test_the_nccl_checks_pass_on_this_gpu_host(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_the_quick_run_passes_on_cpu(tmp_path: Path) -> None:
-    report = _run(tmp_path, "--device", "cpu", "--quick", timeout=140)
+    report = _run(tmp_path, "--device", "cpu", "--quick", timeout=280)
     assert report["environment"]["device"] == "cpu"
     for check in report["checks"]:
         assert check["transport"] == "gloo (cpu) under NCCL's rules" and check["cuda"] is False
