@@ -142,20 +142,21 @@ ONE_CHUNK = ("gpipe", "1f1b", "varuna", "zb-h1")
 
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("data", [1, 2])
+@pytest.mark.parametrize(("pipeline", "data"), [(2, 1), (2, 2), (4, 1)])
 def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
-    tmp_path: Path, varuna_run, data: int
+    tmp_path: Path, varuna_run, pipeline: int, data: int
 ) -> None:
     """Under VARUNA_NCCL_RULES=strict (a rank's operations on every communicator in one posting
     order: what NCCL promises at the least) the early-receive links hang, as the GPU runs did; the
     engine then takes `varuna.comm.serial` (one group per pipeline, sends batched with the next
-    receive), and every one-chunk schedule trains GPT and BERT at 2xD exactly as plain training."""
+    receive; a middle stage's batches hold both neighbours' messages), and every one-chunk schedule
+    trains GPT and BERT at 2x1, 2x2 and 4x1 exactly as plain training."""
     sys.path.insert(0, str(REPO / "tests" / "gpu"))
     from _harness import compare
 
     done = varuna_run(
         [REPO / "tests" / "gpu" / "_equality_worker.py", tmp_path / "out", "3"],
-        pipeline=2, data=data, run_dir=tmp_path / "run", flags=["--timeout", "200"], cwd=tmp_path,
+        pipeline=pipeline, data=data, run_dir=tmp_path / "run", flags=["--timeout", "200"], cwd=tmp_path,
         env={"VARUNA_NCCL_RULES": "strict", "VARUNA_TIMEOUT": "20", "EQUALITY_SCHEDULES": ",".join(ONE_CHUNK)},
         timeout=220, check=False,
     )  # fmt: skip
@@ -163,5 +164,6 @@ def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
     assert "follows NCCL's rules on gloo (VARUNA_NCCL_RULES=strict)" in done.stdout + done.stderr
     for kind in ("gpt", "bert"):
         for schedule in ONE_CHUNK:
-            result = compare(tmp_path / "out" / f"{kind}-2x{data}-{schedule}", kind, 2 * data, data, 3, 1e-5)
+            folder = tmp_path / "out" / f"{kind}-{pipeline}x{data}-{schedule}"
+            result = compare(folder, kind, pipeline * data, data, 3, 1e-5)
             assert result["ok"], (kind, schedule, result)
