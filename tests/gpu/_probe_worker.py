@@ -97,6 +97,32 @@ def _batched(rank: int, device: torch.device) -> list[float]:
     return seen
 
 
+def _steps(link: Any, rank: int, device: torch.device, *, headers_first: bool) -> list[float]:
+    """2 steps x 3 micro-batches through `link`: rank 0 sends each activation and receives its
+    gradient, rank 1 the other way round (with `headers_first`, every header receive posted at the
+    start of a step, as the runtime does with `P2P`). The values this rank received."""
+    seen: list[float] = []
+    for step in range(2):
+        if not headers_first:
+            link.begin_step([{}] * 3)
+        for mb in range(3):
+            if rank == 0:
+                link.send_activation(mb, _full(10.0 * step + mb, device))
+                seen.append(_got(link.recv_grad(mb)[0]))
+                continue
+            if mb == 0 and headers_first:
+                for m in range(3):
+                    link.post_activation_header(m)
+            x = link.recv_activation(mb)
+            assert isinstance(x, torch.Tensor)
+            seen.append(_got(x))
+            x.grad = 2 * x.detach()
+            link.send_grad(mb, x)
+        link.flush()
+        link.finish()
+    return seen
+
+
 def case(name: str, rank: int, device: torch.device) -> list[float]:
     """Run one case; the values this rank received, in order."""
     seen: list[float] = []
@@ -158,39 +184,12 @@ def case(name: str, rank: int, device: torch.device) -> list[float]:
     elif name == "link":
         p2p = pair_link(rank, device)
         assert p2p is not None
-        for step in range(2):
-            for mb in range(3):
-                if rank == 0:
-                    p2p.send_activation(mb, _full(10.0 * step + mb, device))
-                    seen.append(_got(p2p.recv_grad(mb)[0]))
-                else:
-                    if mb == 0:  # every header at the start of the step, as the runtime posts them
-                        for m in range(3):
-                            p2p.post_activation_header(m)
-                    x = p2p.recv_activation(mb)
-                    assert isinstance(x, torch.Tensor)
-                    seen.append(_got(x))
-                    x.grad = 2 * x.detach()
-                    p2p.send_grad(mb, x)
-            p2p.finish()
+        seen = _steps(p2p, rank, device, headers_first=True)
         p2p.close()
     elif name == "serial":
         courier = Courier(replica_group(2, 1, 0, device))
         link = SerialLink(None, 1, device, courier) if rank == 0 else SerialLink(0, None, device, courier)
-        for step in range(2):
-            link.begin_step([{}] * 3)
-            for mb in range(3):
-                if rank == 0:
-                    link.send_activation(mb, _full(10.0 * step + mb, device))
-                    seen.append(_got(link.recv_grad(mb)[0]))
-                else:
-                    x = link.recv_activation(mb)
-                    assert isinstance(x, torch.Tensor)
-                    seen.append(_got(x))
-                    x.grad = 2 * x.detach()
-                    link.send_grad(mb, x)
-            link.flush()
-            link.finish()
+        seen = _steps(link, rank, device, headers_first=False)
     else:
         raise SystemExit(f"unknown case {name!r}; expected one of {CASES}")
     if device.type == "cuda":
