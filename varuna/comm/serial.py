@@ -94,34 +94,42 @@ class Courier:
     def __init__(self, group: Any) -> None:
         self.group = group
         self._pending: list[Any] = []  # P2POps of sends not posted yet
-        self._posted: list[tuple[Any, torch.Tensor]] = []  # sends in flight and their buffers
+        self._works: list[Any] = []  # sends in flight, waited for at `finish`
+        self._buffers: list[torch.Tensor] = []  # their tensors, alive until then
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         self._pending.append(dist.P2POp(dist.isend, tensor, peer, self.group))
 
     def recv(self, tensors: list[torch.Tensor], peer: int) -> None:
         """Post `tensors`' receives from `peer` with every held send, in one batch; wait for them."""
-        ops = self._pending + [dist.P2POp(dist.irecv, t, peer, self.group) for t in tensors]
         sends = len(self._pending)
+        ops = self._pending + [dist.P2POp(dist.irecv, t, peer, self.group) for t in tensors]
         self._pending = []
         works = dist.batch_isend_irecv(ops)
-        self._posted += [(w, op.tensor) for w, op in zip(works[:sends], ops[:sends])]
-        for w in works[sends:]:
-            w.wait()
+        self._buffers += [op.tensor for op in ops[:sends]]
+        if len(works) == len(ops):  # one work per operation (gloo)
+            self._works += works[:sends]
+            todo = works[sends:]
+        else:  # NCCL coalesces the batch into one work: waiting for it orders the sends too
+            todo = works
+        for work in todo:
+            work.wait()
 
     def flush(self) -> None:
         """Post the held sends (before a collective, and at the end of the step's actions: a
         collective the peer waits in would otherwise wait for them)."""
         if self._pending:
             ops, self._pending = self._pending, []
-            self._posted += [(w, op.tensor) for w, op in zip(dist.batch_isend_irecv(ops), ops)]
+            self._works += dist.batch_isend_irecv(ops)
+            self._buffers += [op.tensor for op in ops]
 
     def finish(self) -> None:
         """Post what is held and wait for every send (their buffers must live until then)."""
         self.flush()
-        for work, _ in self._posted:
+        for work in self._works:
             work.wait()
-        self._posted.clear()
+        self._works.clear()
+        self._buffers.clear()
 
 
 class SerialLink:
