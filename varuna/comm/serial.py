@@ -49,8 +49,13 @@ def wanted(device: torch.device, chunks_per_rank: int, schedule: str) -> bool:
     """Whether the pipeline's links are `SerialLink`s: with one chunk per rank, on NCCL (a CUDA
     device) and under ``VARUNA_NCCL_RULES=strict``, unless ``VARUNA_P2P=early``; with
     ``VARUNA_P2P=serial`` on gloo too. Several chunks per rank keep `P2P` (a group per virtual
-    boundary): one group per pipeline would pair a rank pair's messages of different boundaries by
-    posting order alone, which their schedules do not keep."""
+    boundary): one group per pipeline pairs a rank pair's messages of different boundaries by
+    posting order alone, which their schedules do not keep. Receiving each peer's messages in its
+    own send order (the schedule says it) fixes that, but not the header: the receiver posts an
+    activation's header and its data in two batches while the sender posts both in one, and with
+    two chunks per rank those batches stop pairing (interleaved-1f1b deadlocked so under strict).
+    That needs the shapes known before the data arrives, as torch.distributed.pipelining has them
+    from its shape inference at start-up."""
     mode = os.environ.get(ENV, "").strip().lower()
     if mode not in ("", "serial", "early"):
         raise ConfigError(f"{ENV}={mode!r}: expected 'serial' or 'early' (unset: serial on NCCL)")
