@@ -63,18 +63,28 @@ def boundary_groups(
     return mine
 
 
-def warm(groups: list[tuple[Any, int, int]], rank: int, device: torch.device) -> None:
+def warm(
+    groups: list[tuple[Any, int, int]], rank: int, device: torch.device, *, batched: bool = False
+) -> None:
     """Make the point-to-point communicator of each (group, lower rank, higher rank) this rank is
     in, in the given order (the same on every rank): the lower rank sends one element, the higher
     receives it. On NCCL this is where each pair's communicator is created (each exchange finished
     on the device before the next creation: NCCL warns that a CUDA call made while its kernels
-    run may wait for them); on gloo it costs a round trip per group."""
+    run may wait for them); on gloo it costs a round trip per group. `batched`: as a
+    `batch_isend_irecv` (which NCCL runs on the group's own communicator, `varuna.comm.serial`),
+    not an unbatched send (a pair's own two-rank communicator)."""
     one = torch.zeros(1, device=device)
     for group, low, high in groups:
         if rank in (low, high):
-            work = dist.isend(one, high, group=group) if rank == low else dist.irecv(one, low, group=group)
-            assert work is not None  # this rank is in the group
-            work.wait()
+            op, peer = (dist.isend, high) if rank == low else (dist.irecv, low)
+            works = (
+                dist.batch_isend_irecv([dist.P2POp(op, one, peer, group)])
+                if batched
+                else [op(one, peer, group=group)]
+            )
+            for work in works:
+                assert work is not None  # this rank is in the group
+                work.wait()
             if device.type == "cuda":  # no NCCL kernel in flight while the next communicator is made
                 torch.cuda.synchronize(device)
 

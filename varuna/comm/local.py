@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from varuna.comm.p2p import Value, flatten_value
+from varuna.comm.p2p import Value, flatten_value, input_grads
 
 __all__ = ["LocalLink"]
 
@@ -46,9 +46,7 @@ class LocalLink:
         return self._take(self._activations, mb, "activation")
 
     def send_grad(self, mb: int, inputs: Value) -> None:
-        tensors, _ = flatten_value(inputs)
-        floating = [t for t in tensors if t.is_floating_point()]
-        self._grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in floating]
+        self._grads[mb] = input_grads(inputs)
 
     def grad_ready(self, mb: int) -> bool:
         return mb in self._grads

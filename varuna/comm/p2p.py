@@ -71,7 +71,7 @@ from varuna.comm._shapes import (
 )
 from varuna.errors import PartitionError
 
-__all__ = ["HEADER_LEN", "Value", "flatten_value", "encode_header", "decode_header", "P2P"]
+__all__ = ["HEADER_LEN", "Value", "flatten_value", "input_grads", "encode_header", "decode_header", "P2P"]
 
 _SLOTS = 128  # tag = microbatch * _SLOTS + slot: 0 header, 1.. activations, 32.. gradients, 64.. early
 _LATE, _GRAD, _EARLY = 1, 32, 64
@@ -91,6 +91,12 @@ def flatten_value(value: Value) -> tuple[list[torch.Tensor], bool]:
         f"a CutPoint received a {type(value).__name__}; pass a tensor or a tuple of tensors through "
         "CutPoints (other values needed later must be computable from the batch on every stage)"
     )
+
+
+def input_grads(inputs: Value) -> list[torch.Tensor]:
+    """The gradients of a received value's floating tensors, to send back (zeros where none came)."""
+    tensors, _ = flatten_value(inputs)
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()]
 
 
 def _floating(t: torch.Tensor) -> bool:
@@ -441,10 +447,8 @@ class P2P:
     def send_grad(self, mb: int, inputs: Value) -> None:
         """Send the gradients of the floating tensors this stage received for `mb`."""
         assert self.prev is not None
-        tensors, _ = flatten_value(inputs)
         t0 = time.perf_counter()
-        for i, t in enumerate(x for x in tensors if _floating(x)):
-            g = t.grad if t.grad is not None else torch.zeros_like(t)
+        for i, g in enumerate(input_grads(inputs)):
             g = g.contiguous()
             self._sends.append(
                 (dist.isend(g, self.prev, tag=self._in + mb * _SLOTS + _GRAD + i, group=self._in_grad), g)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from varuna.comm import nccl_rules
 from varuna.comm._shapes import HEADER_LEN, decode_signature, encode_signature, signature
-from varuna.comm.p2p import Value, flatten_value
+from varuna.comm.p2p import Value, flatten_value, input_grads
 from varuna.errors import ConfigError
 
 __all__ = ["Courier", "SerialLink", "replica_group", "wanted"]
@@ -74,6 +74,7 @@ def replica_group(pipeline: int, data: int, replica: int, device: torch.device) 
     return this rank's, its communicators made up front: a collective on it (NCCL's batched
     point-to-point runs on the group's own communicator) and one batched exchange per neighbour
     pair, in pipeline order on every rank."""
+    from varuna.comm.links import warm
     from varuna.comm.rendezvous import group_timeout
 
     groups = [
@@ -81,15 +82,10 @@ def replica_group(pipeline: int, data: int, replica: int, device: torch.device) 
         for r in range(data)
     ]
     mine = groups[replica]
-    rank = dist.get_rank()
-    one = torch.zeros(1, device=device)
-    dist.all_reduce(one, group=mine)
+    dist.all_reduce(torch.zeros(1, device=device), group=mine)
     first = replica * pipeline
-    for low in range(first, first + pipeline - 1):
-        if rank in (low, low + 1):
-            op = dist.isend if rank == low else dist.irecv
-            for work in dist.batch_isend_irecv([dist.P2POp(op, one, 2 * low + 1 - rank, mine)]):
-                work.wait()
+    pairs = [(mine, low, low + 1) for low in range(first, first + pipeline - 1)]
+    warm(pairs, dist.get_rank(), device, batched=True)
     return mine
 
 
@@ -207,12 +203,10 @@ class SerialLink:
 
     def send_grad(self, mb: int, inputs: Value) -> None:
         assert self.prev is not None
-        tensors, _ = flatten_value(inputs)
-        for t in tensors:
-            if t.is_floating_point():
-                g = (t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
-                self.courier.send(g, self.prev)
-                self.bytes_sent += g.numel() * g.element_size()
+        for g in input_grads(inputs):
+            g = g.contiguous()
+            self.courier.send(g, self.prev)
+            self.bytes_sent += g.numel() * g.element_size()
 
     def flush(self) -> None:
         self.courier.flush()

@@ -172,9 +172,8 @@ class Varuna:
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
-        if serial_wanted(
-            self.device, spec.chunks_per_rank, cfg.engine.schedule
-        ):  # NCCL: just-in-time batches
+        serial = serial_wanted(self.device, spec.chunks_per_rank, cfg.engine.schedule)
+        if serial:  # NCCL: just-in-time batches on one group per pipeline (`varuna.comm.serial`)
             courier, groups = Courier(replica_group(P, cfg.engine.data, self.replica, self.device)), None
         else:
             courier, groups = None, boundary_groups(P, cfg.engine.data, P * spec.chunks_per_rank, rank_of,

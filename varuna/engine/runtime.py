@@ -275,12 +275,17 @@ class StageRuntime:
                         self._execute(a)
                     continue
             self._execute(queue.pop(0))
-        for link in self.links:
-            link.flush()  # held sends go out before the step's collectives (`varuna.comm.serial`)
+        self._flush()
         self.times.total_s = time.perf_counter() - start
         self.times.idle_s = sum(link.idle_s for link in self.links) - idle0
         self.times.comm_s += sum(link.comm_s for link in self.links) - comm0
         return self.losses, self.times
+
+    def _flush(self) -> None:
+        """Held sends go out before the step's collectives (`varuna.comm.serial`): a peer waiting
+        in a collective for this rank would otherwise wait for them."""
+        for link in self.links:
+            link.flush()
 
     def finish(self) -> None:
         """Wait for every send of the step (after the reductions started)."""
@@ -311,8 +316,7 @@ class StageRuntime:
         t0 = time.perf_counter()
         try:
             if action.kind == "ALLREDUCE":
-                for link in self.links:
-                    link.flush()
+                self._flush()
                 self.allreduce()
             else:
                 getattr(self, "_do_" + action.kind)(self.chunks[action.stage], action.microbatch)
