@@ -70,8 +70,8 @@ class Context:
     """Why the engine's links on NCCL (`varuna.comm.serial`) would hang here: the probe's `serial`
     case failed under every setting tried."""
     early_hangs: str | None = None
-    """Why `P2P`'s early receives (two chunks per rank on NCCL too) would hang here: the probe's
-    `link` case failed under every setting tried."""
+    """Why `P2P`'s early receives (the p2p check; the engine's links on gloo) would hang here: the
+    probe's `link` case failed under every setting tried."""
     logs: list[Path] = field(default_factory=list)
 
     def left_s(self) -> float:

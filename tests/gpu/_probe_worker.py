@@ -105,6 +105,11 @@ def _steps(link: Any, rank: int, device: torch.device, *, headers_first: bool) -
     for step in range(2):
         if not headers_first:
             link.begin_step([{}] * 3)
+            for mb in link.shape_probe():  # serial links: each new batch shape sent once first
+                if rank == 0:
+                    link.probe_send(mb, _full(-1.0, device))
+                else:
+                    link.probe_recv(mb)
         for mb in range(3):
             if rank == 0:
                 link.send_activation(mb, _full(10.0 * step + mb, device))
@@ -187,7 +192,7 @@ def case(name: str, rank: int, device: torch.device) -> list[float]:
         seen = _steps(p2p, rank, device, headers_first=True)
         p2p.close()
     elif name == "serial":
-        courier = Courier(replica_group(2, 1, 0, device))
+        courier = Courier(replica_group(2, 1, 0, device), device)
         link = SerialLink(None, 1, device, courier) if rank == 0 else SerialLink(0, None, device, courier)
         seen = _steps(link, rank, device, headers_first=False)
     else:

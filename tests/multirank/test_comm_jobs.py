@@ -91,6 +91,37 @@ def test_a_cut_changing_shape_while_its_batch_does_not_fails_loudly_unless_heade
 
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
+def test_serial_links_learn_shapes_once_per_batch_shape_and_refuse_a_cut_that_changes_alone(
+    tmp_path: Path, varuna_run
+) -> None:
+    """The serial links (NCCL's) know every activation's shapes before it comes, from one probe per
+    batch shape; a cut that changes shape on its own stops the job with the setting that probes
+    every micro-batch, which then delivers every value."""
+    (tmp_path / "a").mkdir()
+    done = varuna_run(
+        [SCRIPTS / "p2p_mismatch.py"], pipeline=2, run_dir=tmp_path / "a" / "run", flags=["--timeout", "60"],
+        cwd=tmp_path / "a", timeout=90, check=False, env={"MISMATCH_LINK": "serial"},
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "PartitionError: micro-batch 1's value at the cut after stage 0 has shapes float32 (4, 4)" in out
+    assert (
+        "not the float32 (3, 4) a micro-batch of the same shapes had" in out
+        and "VARUNA_P2P_HEADERS=every" in out
+    )
+    seen = _two_ranks(
+        varuna_run,
+        tmp_path,
+        "p2p_mismatch.py",
+        "MISMATCH",
+        VARUNA_P2P_HEADERS="every",
+        MISMATCH_LINK="serial",
+    )
+    assert seen[0] == {"wrong": [], "received": 6}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
 def test_a_one_host_job_puts_the_store_and_gloo_on_loopback(tmp_path: Path, varuna_run) -> None:
     """A TCPStore given host 127.0.0.1 still listens on every interface unless handed a socket."""
     seen = _two_ranks(varuna_run, tmp_path, "store_address.py", "STORE")
@@ -138,32 +169,44 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
 
 
 ONE_CHUNK = ("gpipe", "1f1b", "varuna", "zb-h1")
+TWO_CHUNKS = ("interleaved-1f1b", "zb-v")
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("pipeline", "data"), [(2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize(
+    ("pipeline", "data", "schedules", "models"),
+    [
+        (2, 1, ONE_CHUNK, ("gpt", "bert")),
+        (2, 2, ONE_CHUNK, ("gpt", "bert")),
+        (4, 1, ONE_CHUNK, ("gpt", "bert")),
+        (2, 1, TWO_CHUNKS, ("gpt", "bert")),
+        (2, 2, TWO_CHUNKS, ("gpt", "bert")),
+        (4, 1, TWO_CHUNKS, ("gpt-midcut", "bert8")),  # 8 virtual stages need 8 segments
+    ],
+)
 def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
-    tmp_path: Path, varuna_run, pipeline: int, data: int
+    tmp_path: Path, varuna_run, pipeline: int, data: int, schedules: tuple[str, ...], models: tuple[str, ...]
 ) -> None:
     """Under VARUNA_NCCL_RULES=strict (a rank's operations on every communicator in one posting
     order: what NCCL promises at the least) the early-receive links hang, as the GPU runs did; the
     engine then takes `varuna.comm.serial` (one group per pipeline, sends batched with the next
-    receive; a middle stage's batches hold both neighbours' messages), and every one-chunk schedule
+    receive; a middle stage's batches hold both neighbours' messages; with two chunks per rank,
+    each peer's messages taken in its send order, their shapes probed once), and every schedule
     trains GPT and BERT at 2x1, 2x2 and 4x1 exactly as plain training."""
     sys.path.insert(0, str(REPO / "tests" / "gpu"))
     from _harness import compare
 
     done = varuna_run(
-        [REPO / "tests" / "gpu" / "_equality_worker.py", tmp_path / "out", "3"],
+        [REPO / "tests" / "gpu" / "_equality_worker.py", tmp_path / "out", "3", *models],
         pipeline=pipeline, data=data, run_dir=tmp_path / "run", flags=["--timeout", "200"], cwd=tmp_path,
-        env={"VARUNA_NCCL_RULES": "strict", "VARUNA_TIMEOUT": "20", "EQUALITY_SCHEDULES": ",".join(ONE_CHUNK)},
+        env={"VARUNA_NCCL_RULES": "strict", "VARUNA_TIMEOUT": "20", "EQUALITY_SCHEDULES": ",".join(schedules)},
         timeout=220, check=False,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "follows NCCL's rules on gloo (VARUNA_NCCL_RULES=strict)" in done.stdout + done.stderr
-    for kind in ("gpt", "bert"):
-        for schedule in ONE_CHUNK:
+    for kind in models:
+        for schedule in schedules:
             folder = tmp_path / "out" / f"{kind}-{pipeline}x{data}-{schedule}"
             result = compare(folder, kind, pipeline * data, data, 3, 1e-5)
             assert result["ok"], (kind, schedule, result)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,20 @@ def test_varuna_profile_two_ranks(tmp_path: Path) -> None:
     for written in ("engine.json", "events", "cache", "checkpoints"):  # what an engine writes into a run dir
         assert not (run_dir / written).exists()  # neither the real engine nor the calibration's ran here
     assert "varuna profile" in (run_dir / "logs" / "rank0.log").read_text()  # the progress bar
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(150)
+def test_varuna_profile_under_the_strict_nccl_rules_leaves_out_the_early_links_costs(tmp_path: Path) -> None:
+    """Where the engine takes the serial links (NCCL; `VARUNA_NCCL_RULES=strict` on gloo), the
+    profile does not time the early-receive links (they would hang there) and the rest completes."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "varuna", "profile", "--gpus", "2", "--run-dir", str(run_dir)]
+    command += ["--micro-batch-sizes", "1", "--repeats", "2", "--timeout", "100", SCRIPT, "--layers", "3"]
+    env = {**os.environ, "VARUNA_NCCL_RULES": "strict", "VARUNA_TIMEOUT": "20"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    network = CostTable.load(run_dir / "profile.json").network
+    assert network.p2p_latency_s > 0 and network.p2p_bandwidth_Bps > 0 and list(network.allreduce) == [2]
+    assert network.message_s == {} and network.delivery_s == {} and network.message_cpu == []
+    assert network.reports_arrival is False

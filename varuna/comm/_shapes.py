@@ -27,6 +27,7 @@ __all__ = [
     "encode_signature",
     "decode_header",
     "decode_signature",
+    "describe",
     "signature",
     "batch_key",
     "headers_every",
@@ -95,6 +96,14 @@ def decode_header(header: torch.Tensor) -> tuple[list[tuple[torch.dtype, tuple[i
 def decode_signature(header: torch.Tensor) -> Signature:
     specs, is_tuple = decode_header(header)
     return is_tuple, tuple(specs)
+
+
+def describe(sig: Signature | None) -> str:
+    """A signature as the errors show it: ``float32 (2, 8, 32)``, a tuple's in parentheses."""
+    if sig is None:
+        return "none"
+    text = ", ".join(f"{str(dtype).removeprefix('torch.')} {tuple(shape)}" for dtype, shape in sig[1])
+    return f"({text})" if sig[0] else text
 
 
 def batch_key(batch: Mapping[str, Any]) -> Hashable:

@@ -62,6 +62,16 @@ class LocalLink:
             )
         return box.pop(mb)
 
+    def shape_probe(self) -> list[int]:
+        return []
+
+    def probe_send(self, mb: int, value: Value) -> None:
+        """The shape probe's hand-over (`varuna.comm.serial`): as any other."""
+        self.send_activation(mb, value)
+
+    def probe_recv(self, mb: int) -> Value:
+        return self.recv_activation(mb)
+
     def flush(self) -> None:
         """Nothing is held back here (see `varuna.comm.serial`)."""
 

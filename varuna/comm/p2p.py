@@ -64,6 +64,7 @@ from varuna.comm._shapes import (
     batch_key,
     decode_header,
     decode_signature,
+    describe,
     encode_header,
     encode_signature,
     headers_every,
@@ -386,8 +387,8 @@ class P2P:
         if self._promised is not None and mb < len(self._promised) and self._promised[mb]:
             if sig != last:  # the next stage waits for the old shapes: this cannot be delivered
                 raise PartitionError(
-                    f"micro-batch {mb}'s value at the cut changed shape to {_shapes(sig)} from last step's "
-                    f"{_shapes(last)} while its batch kept its shapes; the stages send shapes only when the "
+                    f"micro-batch {mb}'s value at the cut changed shape to {describe(sig)} from last step's "
+                    f"{describe(last)} while its batch kept its shapes; the stages send shapes only when the "
                     "batch's change. Set VARUNA_P2P_HEADERS=every to send them with every activation"
                 )
             early = True
@@ -456,6 +457,10 @@ class P2P:
             self.bytes_sent += g.numel() * g.element_size()
         self.comm_s += time.perf_counter() - t0
 
+    def shape_probe(self) -> list[int]:
+        """Nothing to probe: shapes travel in headers here (see `varuna.comm.serial`)."""
+        return []
+
     def flush(self) -> None:
         """Nothing is held back here (see `varuna.comm.serial`)."""
 
@@ -474,10 +479,3 @@ class P2P:
         for watcher in (self._from_prev, self._from_next):
             if watcher is not None:
                 watcher.close()
-
-
-def _shapes(sig: Signature | None) -> str:
-    if sig is None:
-        return "none"
-    text = ", ".join(f"{str(dtype).removeprefix('torch.')} {tuple(shape)}" for dtype, shape in sig[1])
-    return f"({text})" if sig[0] else text

@@ -33,7 +33,7 @@ from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
 from varuna.comm.buckets import GradBuckets
 from varuna.comm.links import boundary_groups
-from varuna.comm.serial import Courier, replica_group
+from varuna.comm.serial import Courier, plan, replica_group
 from varuna.comm.serial import wanted as serial_wanted
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
@@ -174,7 +174,8 @@ class Varuna:
         self.actions: list[Action] = lowered[self.stage]
         serial = serial_wanted(self.device, spec.chunks_per_rank, cfg.engine.schedule)
         if serial:  # NCCL: just-in-time batches on one group per pipeline (`varuna.comm.serial`)
-            courier, groups = Courier(replica_group(P, cfg.engine.data, self.replica, self.device)), None
+            group = replica_group(P, cfg.engine.data, self.replica, self.device)
+            courier, groups = Courier(group, self.device, plan(lowered, rank_of, self.stage, self.rank)), None
         else:
             courier, groups = None, boundary_groups(P, cfg.engine.data, P * spec.chunks_per_rank, rank_of,
                                                     position=self.stage, replica=self.replica, device=self.device)  # fmt: skip

@@ -260,6 +260,9 @@ class StageRuntime:
         start = time.perf_counter()
         for link in self.links:
             link.begin_step(micro)  # which activations come with shapes; receives posted early
+        probe = sorted({m for link in self.links for m in link.shape_probe()})
+        if probe:  # links that need every activation's shapes before it arrives
+            self._probe_shapes(probe)
         queue = list(actions)
         while queue:
             head = queue[0]
@@ -280,6 +283,24 @@ class StageRuntime:
         self.times.idle_s = sum(link.idle_s for link in self.links) - idle0
         self.times.comm_s += sum(link.comm_s for link in self.links) - comm0
         return self.losses, self.times
+
+    def _probe_shapes(self, mbs: list[int]) -> None:
+        """Send micro-batches `mbs` through the pipeline once, stage after stage, without gradients,
+        so that links posting each message just in time (`varuna.comm.serial`) know the shapes of
+        every activation before it comes. In eval mode, the random state forked: nothing training
+        sees changes (no dropout draw, no running statistic)."""
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                for m in mbs:
+                    for c in (self.chunks[v] for v in sorted(self.chunks)):
+                        inputs = None if c.first else c.up.probe_recv(m)
+                        if not c.last:
+                            c.down.probe_send(m, self._forward(c, m, inputs, grad=False))
+        finally:
+            for module, training in modes:
+                module.training = training
 
     def _flush(self) -> None:
         """Held sends go out before the step's collectives (`varuna.comm.serial`): a peer waiting

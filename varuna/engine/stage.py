@@ -267,9 +267,9 @@ def chunk_links(
 
     groups = groups or {}
 
-    def make(prev: int | None, nxt: int | None, device: torch.device, **kw: Any) -> Any:
+    def make(prev: int | None, nxt: int | None, device: torch.device, stage: int, **kw: Any) -> Any:
         if courier is not None:  # `varuna.comm.serial`: every link of this rank through one courier
-            return SerialLink(prev, nxt, device, courier)
+            return SerialLink(prev, nxt, device, courier, stage)
         return P2P(prev, nxt, device, **kw)
 
     def global_rank(v: int) -> int:
@@ -281,6 +281,7 @@ def chunk_links(
             global_rank(v - 1) if v > 0 else None,
             global_rank(v + 1) if v < num_stages - 1 else None,
             device,
+            v,
             up=groups.get(v - 1),
             down=groups.get(v),
         )
@@ -291,7 +292,7 @@ def chunk_links(
         prev = None if v == 0 or v in local else global_rank(v - 1)
         nxt = None if v == num_stages - 1 or v + 1 in local else global_rank(v + 1)
         link: Any = (
-            make(prev, nxt, device, tags=(v, v + 1), up=groups.get(v - 1), down=groups.get(v))
+            make(prev, nxt, device, v, tags=(v, v + 1), up=groups.get(v - 1), down=groups.get(v))
             if prev is not None or nxt is not None
             else None
         )

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from varuna.comm.rendezvous import host_layout
+from varuna.comm.serial import wanted as serial_links
 from varuna.errors import ConfigError
 from varuna.planner.costs import NetworkCost
 
@@ -325,6 +326,11 @@ def profile_network(
     all-reduce of each size in `sizes` (bytes) runs in the groups of the stage layout; with
     `group_sizes=None` also for each smaller world size w dividing the world and each g dividing w
     (`allreduce_by_world`). Every rank returns the same result. Takes a few seconds.
+
+    The runtime's message costs (`message_s`, `delivery_s`, `message_cpu`) are measured through
+    the early-receive links (`varuna.comm.p2p`, gloo's); where the engine takes the serial links
+    (NCCL, `varuna.comm.serial`) they are left out (the simulator then prices bare transfers) and
+    `reports_arrival` is False (the serial links run no pull-ahead).
     """
     if not dist.is_initialized():
         raise ConfigError(
@@ -349,9 +355,15 @@ def profile_network(
     device = _comm_device()
     latency, bandwidth = _p2p(rank, device, p2p_bytes, repeats)
     transfer = latency + MESSAGE_BYTES / bandwidth
-    messages, reports_arrival = _messages(rank, device, MESSAGE_BYTES, 10 * repeats, transfer)
-    delivery = _delivery(rank, world, device, MESSAGE_BYTES, 3 * repeats, transfer)
-    message_cpu = _message_cpu(rank, device, (MESSAGE_BYTES, 16 * MESSAGE_BYTES), 10 * repeats)
+    if serial_links(device, 1, "1f1b"):  # NCCL: the engine's links are not the early ones measured here
+        messages: dict[str, float] = {}
+        delivery: dict[int, dict[str, float]] = {}
+        message_cpu: list[tuple[int, float]] = []
+        reports_arrival = False
+    else:
+        messages, reports_arrival = _messages(rank, device, MESSAGE_BYTES, 10 * repeats, transfer)
+        delivery = _delivery(rank, world, device, MESSAGE_BYTES, 3 * repeats, transfer)
+        message_cpu = _message_cpu(rank, device, (MESSAGE_BYTES, 16 * MESSAGE_BYTES), 10 * repeats)
     curves = {g: _allreduce(g, world, rank, sizes, repeats, device) for g in wanted}
     by_world = {world: dict(curves)}
     if group_sizes is None:
