@@ -14,13 +14,13 @@ while the stage computes; the GPU runs hung in every two-rank job, and `VARUNA_N
   schedules are such tables): a rank's batch of tick t holds what it made at t and what its
   peers made for it at t, in the senders' order (NCCL pairs a communicator's messages by order
   alone; with two chunks per rank a rank pair carries the messages of several boundaries). Every
-  rank posts its batches in tick order, so they pair whatever the timing. A send is held until
-  its rank needs a message of that tick or later, or flushes (before a collective, at the end of
-  the step); a message that came before its chunk asked waits in an inbox. Posting sends as they
-  are made deadlocks instead: in Varuna's schedule stage 0 recomputes between sending activation 1
-  and receiving gradient 0, and stage 1 works between sending gradient 0 and receiving
-  activation 1, so each rank's send waits for a receive queued behind the other's send (the
-  strict rules showed it);
+  rank posts its batches in tick order, so they pair whatever the timing: through tick t as soon
+  as its sends of t are made, and when it needs a message (the receives are waited for only
+  then; one that came before its chunk asked waits in an inbox). Posting each send on its own as
+  it is made deadlocks instead: in Varuna's schedule stage 0 recomputes between sending
+  activation 1 and receiving gradient 0, and stage 1 works between sending gradient 0 and
+  receiving activation 1, so each rank's send waits for a receive queued behind the other's send
+  (the strict rules showed it);
 - every message's shapes are known before it comes: a cut's shapes follow its micro-batch's
   (`batch_key`), and a step with a key not seen before first sends one micro-batch of that key
   through the pipeline, stage after stage, without gradients (eval mode, the random state
@@ -84,10 +84,12 @@ def wanted(device: torch.device, chunks_per_rank: int, schedule: str) -> bool:
 @dataclass(frozen=True)
 class Plan:
     """This rank's part of the step's exchange table (`varuna.comm._ticks`): each of its messages'
-    tick, and per tick the messages it receives, (sending rank, message) in the sender's order."""
+    tick; per tick the messages it receives, (sending rank, message) in the sender's order, and
+    how many it sends."""
 
     ticks: dict[Message, int]
     incoming: dict[int, list[tuple[int, Message]]]
+    outgoing: dict[int, int]
 
 
 def plan(
@@ -97,13 +99,15 @@ def plan(
     (`rank_of`: virtual stage -> position)."""
     ticks: dict[Message, int] = {}
     incoming: dict[int, list[tuple[int, Message]]] = {}
+    outgoing: dict[int, int] = {}
     for msg, (tick, sender) in exchange_ticks(schedule, rank_of).items():
         if sender == position:
             ticks[msg] = tick
+            outgoing[tick] = outgoing.get(tick, 0) + 1
         elif rank_of(msg[1]) == position:
             ticks[msg] = tick
             incoming.setdefault(tick, []).append((rank - position + sender, msg))
-    return Plan(ticks, incoming)
+    return Plan(ticks, incoming, outgoing)
 
 
 def replica_group(pipeline: int, data: int, replica: int, device: torch.device) -> Any:
@@ -129,19 +133,22 @@ def replica_group(pipeline: int, data: int, replica: int, device: torch.device) 
 class Courier:
     """This rank's messages on its pipeline's group, and what every message's shapes are.
 
-    With a `Plan`, each message crosses in the batch of its tick (`varuna.comm._ticks`): a send
-    is held until this rank posts that tick's batch, which it does, tick after tick, when it needs
-    a message of that tick or a later one, and at `flush`; received messages wait in an inbox
-    until their chunk asks. Without one (a single link used directly), a receive takes just the
-    message asked for, in one batch with every held send."""
+    With a `Plan`, each message crosses in the batch of its tick (`varuna.comm._ticks`). This rank
+    posts its batches tick after tick, without waiting for them: through tick t once its sends of
+    t are all made (so its neighbour gets an activation while it computes the next one), when it
+    needs a message of tick t or later, and at `flush`. A received message waits, posted, in the
+    inbox until its chunk asks; then its receive is waited for. Without a plan (a single link
+    used directly), a receive takes just the message asked for, in one batch with every held send.
+    """
 
     def __init__(self, group: Any, device: torch.device, plan: Plan | None = None) -> None:
         self.group = group
         self.device = device
         self.plan = plan
         self._held: dict[int, list[Any]] = {}  # tick -> P2POps of sends not posted yet (-1: no plan)
+        self._made: dict[int, int] = {}  # tick -> messages made for it so far
         self._done = -1  # the last tick whose batch is posted
-        self._inbox: dict[Message, list[torch.Tensor]] = {}  # received before their chunk asked
+        self._inbox: dict[Message, tuple[list[torch.Tensor], list[_Once]]] = {}  # posted, not taken
         self._works: list[Any] = []  # sends in flight, waited for at `finish`
         self._buffers: list[torch.Tensor] = []  # their tensors, alive until then
         self._keys: list[Hashable] = []  # this step: micro-batch -> its key
@@ -164,6 +171,7 @@ class Courier:
                 f"{sum(map(len, self._held.values()))} sends unposted (did it stop half-way?)"
             )
         self._done = -1
+        self._made.clear()
         self._sent.clear()
         if headers_every():
             self._cuts.clear()
@@ -202,6 +210,9 @@ class Courier:
             self._sent[(stage - 1, mb)] = [t for t in tensors if t.is_floating_point()]
         tick = self._tick(msg) if self.plan is not None else -1
         self._held.setdefault(tick, []).extend(dist.P2POp(dist.isend, t, peer, self.group) for t in tensors)
+        self._made[tick] = self._made.get(tick, 0) + 1
+        if self.plan is not None and self._made[tick] == self.plan.outgoing[tick]:
+            self._advance(tick)  # the tick's sends are all here: out they go
 
     def deliver(self, tensors: list[torch.Tensor], peer: int) -> None:
         """Send `tensors` to `peer` now, in one batch, and wait for them (the shape probe)."""
@@ -216,14 +227,20 @@ class Courier:
             if self.plan is None:
                 sends = self._held.pop(-1, [])
                 bufs = self._empty(msg)
-                self._post(sends + [dist.P2POp(dist.irecv, t, peer, self.group) for t in bufs], len(sends))
+                ops = sends + [dist.P2POp(dist.irecv, t, peer, self.group) for t in bufs]
+                for once in self._post(ops, len(sends)):
+                    once.wait()
                 return bufs
             self._advance(self._tick(msg))
-        return self._inbox.pop(msg)
+        bufs, waits = self._inbox.pop(msg)
+        for once in waits:
+            once.wait()
+        return bufs
 
     def receive(self, tensors: list[torch.Tensor], peer: int) -> None:
         """Receive `tensors` from `peer` now, in one batch (the shape probe)."""
-        self._post([dist.P2POp(dist.irecv, t, peer, self.group) for t in tensors], sends=0)
+        for once in self._post([dist.P2POp(dist.irecv, t, peer, self.group) for t in tensors], sends=0):
+            once.wait()
 
     def _tick(self, msg: Message) -> int:
         assert self.plan is not None
@@ -233,16 +250,17 @@ class Courier:
         return tick
 
     def _advance(self, until: int) -> None:
-        """Post this rank's batches of the ticks up to `until`, one after another."""
+        """Post this rank's batches of the ticks up to `until`, one after another (not waited)."""
         assert self.plan is not None
         for tick in range(self._done + 1, until + 1):
             sends = self._held.pop(tick, [])
             coming = [(peer, msg, self._empty(msg)) for peer, msg in self.plan.incoming.get(tick, [])]
             recvs = [dist.P2POp(dist.irecv, t, peer, self.group) for peer, _, bufs in coming for t in bufs]
-            if sends or recvs:
-                self._post(sends + recvs, len(sends))
+            if not (sends or recvs):
+                continue
+            waits = self._post(sends + recvs, len(sends))
             for _, msg, bufs in coming:
-                self._inbox[msg] = bufs
+                self._inbox[msg], waits = (bufs, waits[: len(bufs)]), waits[len(bufs) :]
         self._done = max(self._done, until)
 
     def _empty(self, msg: Message) -> list[torch.Tensor]:
@@ -253,17 +271,18 @@ class Courier:
             torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in self.cut(stage, mb)[1]
         ]
 
-    def _post(self, ops: list[Any], sends: int) -> None:
-        """Post `ops` (their first `sends` are sends) in one batch; wait for the receives."""
+    def _post(self, ops: list[Any], sends: int) -> list[_Once]:
+        """Post `ops` (their first `sends` are sends) in one batch; for each receive, what to wait
+        for before using its tensor: its own work (gloo), or the batch's one work (NCCL coalesces
+        a batch: waiting for it orders the sends too)."""
         works = dist.batch_isend_irecv(ops)
         self._buffers += [op.tensor for op in ops[:sends]]
         if len(works) == len(ops):  # one work per operation (gloo)
             self._works += works[:sends]
-            todo = works[sends:]
-        else:  # NCCL coalesces the batch into one work: waiting for it orders the sends too
-            todo = works
-        for work in todo:
-            work.wait()
+            return [_Once(w) for w in works[sends:]]
+        (batch,) = [_Once(w) for w in works]
+        self._works.append(batch)
+        return [batch] * (len(ops) - sends)
 
     def flush(self) -> None:
         """Post the held sends (before a collective, and at the end of the step's actions: a
@@ -281,12 +300,28 @@ class Courier:
         """Post what is held and wait for every send (their buffers must live until then)."""
         self.flush()
         self._wait_sends()
+        if self._inbox:
+            raise RuntimeError(f"serial links: messages {sorted(self._inbox)} came and were never used")
 
     def _wait_sends(self) -> None:
         for work in self._works:
             work.wait()
         self._works.clear()
         self._buffers.clear()
+
+
+class _Once:
+    """A work waited for at most once (a gloo work waited for twice never returns)."""
+
+    __slots__ = ("work", "done")
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.done = work, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
 
 
 class SerialLink:
