@@ -5,10 +5,13 @@ used by every stage), at every P x D in {1x1, 2x1, 1x2, 2x2, 4x1, 3x1 uneven} an
 schedule, the 5 step losses and the final parameters match single-process training on the same
 global batches within 1e-5 relative (fp32). One `varuna run` job per world size trains them all.
 
-The jobs with more than one rank run under NCCL's point-to-point rules (`VARUNA_NCCL_RULES=1`:
-tags ignored, a communicator's operations one after another; `varuna.comm.nccl_rules`), so every
-schedule here, shape changes included, is also what a GPU run would do; the other multi-rank tests
-keep gloo's own behaviour.
+The jobs with more than one rank run under NCCL's point-to-point rules (`varuna.comm.nccl_rules`),
+so every schedule here, shape changes included, is also what a GPU run would do; the other
+multi-rank tests keep gloo's own behaviour. The 2-rank job runs under the strict rules (a rank's
+operations on every communicator one after another), where the engine takes NCCL's links
+(`varuna.comm.serial`: the exchange table, the shape probe, also for a sequence length that changes
+every step, checkpoints between chunkings, mixed precision); the 3- and 4-rank jobs under rule 1 to 3
+with gloo's links (`varuna.comm.p2p`, early receives, a group per direction).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from varuna.schedule import schedule_spec  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 RTOL = 1e-5
+RULES = {2: "strict", 3: "1", 4: "1"}  # VARUNA_NCCL_RULES of each world's job
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> dict[int, Pa
                 pipeline=world,
                 data=1,
                 run_dir=base / f"run{world}",
-                env={"VARUNA_NCCL_RULES": "1"} if world > 1 else None,
+                env={"VARUNA_NCCL_RULES": RULES[world]} if world > 1 else None,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=cwd,

@@ -286,10 +286,14 @@ class Courier:
 
     def flush(self) -> None:
         """Post the held sends (before a collective, and at the end of the step's actions: a
-        peer waiting for them, or in a collective for this rank, would wait forever)."""
+        peer waiting for them, or in a collective for this rank, would wait forever); with a plan,
+        wait for every send too, so that a collective on another communicator starts only once
+        this rank's point-to-point is through (NCCL's guide: use communicators in separate
+        epochs; on a GPU the wait orders the streams)."""
         if self.plan is not None:
             if self._held:
                 self._advance(max(self._held))
+            self._wait_sends()
             return
         ops = self._held.pop(-1, [])
         if ops:
@@ -326,7 +330,7 @@ class _Once:
 
 class SerialLink:
     """The `P2P` interface over a `Courier`: one chunk's (virtual stage `stage`'s) neighbours,
-    every message posted just in time (see the module docstring)."""
+    each message crossing at its tick (see the module docstring)."""
 
     def __init__(
         self,
