@@ -21,8 +21,9 @@ OUT/probe-rank{r}.json. The cases, from the simplest:
               second (what the runtime does every micro-batch);
 - link:       `varuna.comm.links.pair_link`'s P2P, 2 steps x 3 micro-batches, every header
               receive posted at the start of a step (as the runtime does);
-- serial:     `varuna.comm.serial`'s links (the engine's on NCCL with one chunk per rank): one
-              group, sends batched with the next receive, the same 2 steps x 3 micro-batches.
+- serial:     `varuna.comm.serial`'s links (the engine's on NCCL): one group, each new batch
+              shape probed first, sends batched with the next receive, the same 2 steps x 3
+              micro-batches.
 """
 
 from __future__ import annotations
