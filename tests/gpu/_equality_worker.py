@@ -5,8 +5,8 @@
 
 The models, data, batch shape and optimizer are the transparency test's (tests/scripts/
 transparency_common.py), so the run that proves equality on CPU is the same one proved here on
-CUDA. Each rank saves OUT/{model}-{P}x{D}-{schedule}/rank{r}.pt: the step losses and its
-parameters (on the CPU), which `run_gpu_checks.py` compares with plain training on one device.
+CUDA. Each rank saves OUT/{model}-{P}x{D}-{schedule}/rank{r}.pt: the step losses, its
+parameters (on the CPU) and how many forwards it pulled ahead of a late gradient, which `run_gpu_checks.py` compares with plain training on one device.
 TF32 is off: a pipeline must not be blamed for the reduced-precision matmul's error.
 """
 
@@ -48,10 +48,13 @@ def main() -> None:
                 example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
             )
             engine.set_optimizer(optimizer(engine.parameters()))
-            losses = [engine.step(engine.batch(data, k)) for k in range(steps)]
+            losses, pulled = [], 0
+            for k in range(steps):
+                losses.append(engine.step(engine.batch(data, k)))
+                pulled += engine.last_times.pulled_ahead if engine.last_times else 0
             params = {n: p.detach().cpu().clone() for n, p in engine.named_parameters()}
             torch.save(
-                {"losses": losses, "params": params, "device": str(engine.device)},
+                {"losses": losses, "params": params, "device": str(engine.device), "pulled_ahead": pulled},
                 folder / f"rank{engine.rank}.pt",
             )
             engine.close()

@@ -193,7 +193,8 @@ def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
     engine then takes `varuna.comm.serial` (one group per pipeline, sends batched with the next
     receive; a middle stage's batches hold both neighbours' messages; with two chunks per rank,
     each peer's messages taken in its send order, their shapes probed once), and every schedule
-    trains GPT and BERT at 2x1, 2x2 and 4x1 exactly as plain training."""
+    trains GPT and BERT at 2x1, 2x2 and 4x1 exactly as plain training, Varuna's with its
+    pull-ahead running forwards ahead of late gradients."""
     sys.path.insert(0, str(REPO / "tests" / "gpu"))
     from _harness import compare
 
@@ -210,3 +211,10 @@ def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
             folder = tmp_path / "out" / f"{kind}-{pipeline}x{data}-{schedule}"
             result = compare(folder, kind, pipeline * data, data, 3, 1e-5)
             assert result["ok"], (kind, schedule, result)
+    if "varuna" in schedules:  # its pull-ahead ran over these links too (the rules' works report arrivals)
+        pulled = [
+            torch.load(f, weights_only=True)["pulled_ahead"]
+            for kind in models
+            for f in (tmp_path / "out" / f"{kind}-{pipeline}x{data}-varuna").glob("rank*.pt")
+        ]
+        assert sum(pulled) > 0, pulled

@@ -29,8 +29,12 @@ while the stage computes; the GPU runs hung in every two-rank job, and `VARUNA_N
   way). A value whose shapes then differ from its key's is a PartitionError on the sender;
   VARUNA_P2P_HEADERS=every probes every micro-batch of every step.
 
-The price is the overlap the early receives bought (`P2P` keeps them for gloo), and Varuna's
-pull-ahead, which would change the order the neighbours' batches pair with. `VARUNA_P2P=serial`
+Varuna's pull-ahead (a forward run while a gradient is late) keeps the table's order: a message
+counts as here once its batch is posted and reports completion (`Courier.arrived`; NCCL's works
+do, gloo's only once waited for), and a forward run ahead holds its send until every send of
+the earlier ticks is made. The price is the overlap the early receives bought (`P2P` keeps them
+for gloo) and the pull-ahead of stages whose next activation's batch waits behind their own
+late send. `VARUNA_P2P=serial`
 chooses this path on gloo as well; NCCL and `VARUNA_NCCL_RULES=strict` choose it by default
 (`wanted`); `VARUNA_P2P=early` keeps `P2P` everywhere.
 """
@@ -145,6 +149,7 @@ class Courier:
         self.group = group
         self.device = device
         self.plan = plan
+        self._last = max(plan.ticks.values(), default=-1) if plan is not None else -1
         self._held: dict[int, list[Any]] = {}  # tick -> P2POps of sends not posted yet (-1: no plan)
         self._made: dict[int, int] = {}  # tick -> messages made for it so far
         self._done = -1  # the last tick whose batch is posted
@@ -211,8 +216,8 @@ class Courier:
         tick = self._tick(msg) if self.plan is not None else -1
         self._held.setdefault(tick, []).extend(dist.P2POp(dist.isend, t, peer, self.group) for t in tensors)
         self._made[tick] = self._made.get(tick, 0) + 1
-        if self.plan is not None and self._made[tick] == self.plan.outgoing[tick]:
-            self._advance(tick)  # the tick's sends are all here: out they go
+        if self.plan is not None:
+            self._post_ready()
 
     def deliver(self, tensors: list[torch.Tensor], peer: int) -> None:
         """Send `tensors` to `peer` now, in one batch, and wait for them (the shape probe)."""
@@ -237,6 +242,12 @@ class Courier:
             once.wait()
         return bufs
 
+    def arrived(self, msg: Message) -> bool:
+        """Whether `msg` is here, without waiting: its batch is posted and its receives report
+        completion (NCCL's and the rules' works do; gloo's only once waited for)."""
+        entry = self._inbox.get(msg)
+        return entry is not None and all(once.completed() for once in entry[1])
+
     def receive(self, tensors: list[torch.Tensor], peer: int) -> None:
         """Receive `tensors` from `peer` now, in one batch (the shape probe)."""
         for once in self._post([dist.P2POp(dist.irecv, t, peer, self.group) for t in tensors], sends=0):
@@ -249,10 +260,27 @@ class Courier:
             raise RuntimeError(f"serial links: message {msg} is not in this rank's exchange table")
         return tick
 
+    def _post_ready(self) -> None:
+        """Post the next ticks' batches while this rank's sends of each are all made (the
+        receives of ticks where it sends nothing go out with them)."""
+        assert self.plan is not None
+        while self._done < self._last and self._complete(self._done + 1):
+            self._advance(self._done + 1)
+
+    def _complete(self, tick: int) -> bool:
+        assert self.plan is not None
+        return self._made.get(tick, 0) >= self.plan.outgoing.get(tick, 0)
+
     def _advance(self, until: int) -> None:
         """Post this rank's batches of the ticks up to `until`, one after another (not waited)."""
         assert self.plan is not None
         for tick in range(self._done + 1, until + 1):
+            if not self._complete(tick):  # its batch would go out without a send its peer expects
+                raise RuntimeError(
+                    f"serial links: tick {tick}'s batch is due (a message of tick {until} is wanted) but this "
+                    f"rank made {self._made.get(tick, 0)} of its {self.plan.outgoing[tick]} sends of that tick: "
+                    "the runtime ran its actions out of the exchange table's order"
+                )
             sends = self._held.pop(tick, [])
             coming = [(peer, msg, self._empty(msg)) for peer, msg in self.plan.incoming.get(tick, [])]
             recvs = [dist.P2POp(dist.irecv, t, peer, self.group) for peer, _, bufs in coming for t in bufs]
@@ -327,6 +355,9 @@ class _Once:
             self.work.wait()
             self.done = True
 
+    def completed(self) -> bool:
+        return self.done or bool(self.work.is_completed())
+
 
 class SerialLink:
     """The `P2P` interface over a `Courier`: one chunk's (virtual stage `stage`'s) neighbours,
@@ -384,13 +415,12 @@ class SerialLink:
         """Nothing is posted early on this path."""
 
     def activation_ready(self, mb: int) -> bool:
-        return True  # see grad_ready
+        """Whether micro-batch `mb`'s activation is here (Varuna's pull-ahead asks): a forward
+        run ahead keeps the exchange table's order, since its send waits for its tick's batch."""
+        return self.courier.arrived(("F", self.stage, mb))
 
     def grad_ready(self, mb: int) -> bool:
-        """Always "yes": Varuna's pull-ahead (running forwards while a gradient is late) would
-        change this rank's order of sends and receives, which must stay the one its neighbours'
-        batches pair with (under the strict rules it deadlocks), so the runtime just waits."""
-        return True
+        return self.courier.arrived(("B", self.stage, mb))
 
     def recv_activation(self, mb: int) -> Value:
         assert self.prev is not None

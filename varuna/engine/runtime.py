@@ -51,6 +51,8 @@ class StepTimes:
     spans: list[Span] = field(default_factory=list)
     split: int = 0
     """Backwards that ran as an input half (B) and a weight half (W) (see `split_backwards`)."""
+    pulled_ahead: int = 0
+    """Forwards run ahead of a gradient that was not here yet (Varuna's pull-ahead)."""
 
 
 class Observer(Protocol):
@@ -273,6 +275,7 @@ class StageRuntime:
             ):
                 ahead = self._forward_ready(queue)
                 if ahead:
+                    self.times.pulled_ahead += 1
                     for a in ahead:
                         queue.remove(a)
                         self._execute(a)
