@@ -28,6 +28,7 @@ __all__ = [
     "decode_header",
     "decode_signature",
     "describe",
+    "empty",
     "signature",
     "batch_key",
     "headers_every",
@@ -104,6 +105,11 @@ def describe(sig: Signature | None) -> str:
         return "none"
     text = ", ".join(f"{str(dtype).removeprefix('torch.')} {tuple(shape)}" for dtype, shape in sig[1])
     return f"({text})" if sig[0] else text
+
+
+def empty(sig: Signature, device: torch.device) -> list[torch.Tensor]:
+    """Receive buffers for a value of signature `sig`."""
+    return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in sig[1]]
 
 
 def batch_key(batch: Mapping[str, Any]) -> Hashable:

@@ -65,6 +65,7 @@ from varuna.comm._shapes import (
     decode_header,
     decode_signature,
     describe,
+    empty,
     encode_header,
     encode_signature,
     headers_every,
@@ -72,7 +73,16 @@ from varuna.comm._shapes import (
 )
 from varuna.errors import PartitionError
 
-__all__ = ["HEADER_LEN", "Value", "flatten_value", "input_grads", "encode_header", "decode_header", "P2P"]
+__all__ = [
+    "HEADER_LEN",
+    "Value",
+    "flatten_value",
+    "outgoing",
+    "input_grads",
+    "encode_header",
+    "decode_header",
+    "P2P",
+]
 
 _SLOTS = 128  # tag = microbatch * _SLOTS + slot: 0 header, 1.. activations, 32.. gradients, 64.. early
 _LATE, _GRAD, _EARLY = 1, 32, 64
@@ -92,6 +102,13 @@ def flatten_value(value: Value) -> tuple[list[torch.Tensor], bool]:
         f"a CutPoint received a {type(value).__name__}; pass a tensor or a tuple of tensors through "
         "CutPoints (other values needed later must be computable from the batch on every stage)"
     )
+
+
+def outgoing(value: Value) -> tuple[list[torch.Tensor], Signature]:
+    """A cut value's tensors as they are sent (detached, contiguous) and its signature."""
+    tensors, is_tuple = flatten_value(value)
+    tensors = [t.detach().contiguous() for t in tensors]
+    return tensors, signature(tensors, is_tuple)
 
 
 def input_grads(inputs: Value) -> list[torch.Tensor]:
@@ -311,7 +328,7 @@ class P2P:
         return pending.header
 
     def _empty(self, sig: Signature) -> list[torch.Tensor]:
-        return [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in sig[1]]
+        return empty(sig, self.device)
 
     def _post_data(self, mb: int, pending: _Pending) -> list[Any]:
         """Resolve micro-batch `mb`'s tensors (blocking on the step message and its header, if one
@@ -379,9 +396,7 @@ class P2P:
     def send_activation(self, mb: int, value: Value) -> None:
         """Send the value at this stage's end cut, and post the receives for its gradients."""
         assert self.next is not None
-        tensors, is_tuple = flatten_value(value)
-        tensors = [t.detach().contiguous() for t in tensors]
-        sig = signature(tensors, is_tuple)
+        tensors, sig = outgoing(value)
         last = self._last_out.get(mb)
         t0 = time.perf_counter()
         if self._promised is not None and mb < len(self._promised) and self._promised[mb]:

@@ -57,12 +57,12 @@ from varuna.comm._shapes import (
     batch_key,
     decode_signature,
     describe,
+    empty,
     encode_signature,
     headers_every,
-    signature,
 )
 from varuna.comm._ticks import Message, exchange_ticks
-from varuna.comm.p2p import Value, flatten_value, input_grads
+from varuna.comm.p2p import Value, input_grads, outgoing
 from varuna.errors import ConfigError, PartitionError
 
 __all__ = ["Courier", "Plan", "SerialLink", "plan", "replica_group", "wanted"]
@@ -295,9 +295,7 @@ class Courier:
         kind, stage, mb = msg
         if kind == "B":
             return [torch.empty_like(t) for t in self._sent.pop((stage, mb))]
-        return [
-            torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in self.cut(stage, mb)[1]
-        ]
+        return empty(self.cut(stage, mb), self.device)
 
     def _post(self, ops: list[Any], sends: int) -> list[_Once]:
         """Post `ops` (their first `sends` are sends) in one batch; for each receive, what to wait
@@ -393,9 +391,7 @@ class SerialLink:
     def probe_send(self, mb: int, value: Value) -> None:
         """Send micro-batch `mb`'s probe value (a header, then its tensors; each waited for)."""
         assert self.next is not None
-        tensors, is_tuple = flatten_value(value)
-        tensors = [t.detach().contiguous() for t in tensors]
-        sig = signature(tensors, is_tuple)
+        tensors, sig = outgoing(value)
         self.courier.deliver([encode_signature(sig).to(self.device)], self.next)
         self.courier.deliver(tensors, self.next)
         self.courier.learn(self.stage + 1, mb, sig)
@@ -407,7 +403,7 @@ class SerialLink:
         self.courier.receive([header], self.prev)
         sig = decode_signature(header)
         self.courier.learn(self.stage, mb, sig)
-        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in sig[1]]
+        tensors = empty(sig, self.device)
         self.courier.receive(tensors, self.prev)
         return tuple(tensors) if sig[0] else tensors[0]
 
@@ -434,9 +430,8 @@ class SerialLink:
 
     def send_activation(self, mb: int, value: Value) -> None:
         assert self.next is not None
-        tensors, is_tuple = flatten_value(value)
-        tensors = [t.detach().contiguous() for t in tensors]
-        sig, known = signature(tensors, is_tuple), self.courier.cut(self.stage + 1, mb)
+        tensors, sig = outgoing(value)
+        known = self.courier.cut(self.stage + 1, mb)
         if sig != known:  # the next stage receives with the probed shapes: this cannot be delivered
             raise PartitionError(
                 f"micro-batch {mb}'s value at the cut after stage {self.stage} has shapes {describe(sig)}, not the "
