@@ -76,6 +76,16 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
     goal = ratios["targets"]  # the targets, at the smallest P: named, not asserted
     assert goal["pipeline"] == pipelines[0] and goal["varuna_best"] in (*paired, "varuna")
     assert goal["varuna_best_over_torch_1f1b"] > 0 and goal["worst_same_schedule"]["schedule"] in paired
+    # every rank's main-thread CPU seconds, and from them each schedule's ceiling at the smallest P
+    for r in report["results"]:
+        if r["system"] != "single":
+            threads = r["thread_cpu_s_per_step_per_stage"]
+            assert len(threads) == r["pipeline"] and all(t > 0 for t in threads)
+    ceilings = ratios["ceilings"]
+    assert ceilings["pipeline"] == pipelines[0] and set(ceilings["schedules"]) == {*paired, "varuna"}
+    # the untied bench GPT: torch.pipelining trains the same model (its own LM head)
+    assert report["model"]["config"]["tie_embeddings"] is False
+    assert "own LM head" in report["model"]["torch_pipelining_head"]
 
 
 def test_the_baseline_joins_the_rounds_of_the_shared_schedules() -> None:
@@ -107,6 +117,41 @@ def test_bad_bench_settings_name_the_fix(change: dict, message: str) -> None:
 
     with pytest.raises(ConfigError, match=message):
         replace(full(), **change)
+
+
+def test_ceilings_bound_each_schedule_by_its_busiest_and_mean_rank() -> None:
+    from varuna.bench.pipeline import compute_ceilings
+
+    def rec(system: str, schedule: str | None, step: float, threads: list[float]) -> dict:
+        return {
+            "system": system,
+            "schedule": schedule,
+            "pipeline": 2 if system != "single" else 1,
+            "median_step_s": step,
+            "cpu_s_per_step_per_stage": [t + 0.5 for t in threads],  # gloo's threads: not the bound
+            "thread_cpu_s_per_step_per_stage": threads,
+        }
+
+    results = [
+        rec("torch.pipelining", "1f1b", 1.2, [1.0, 1.1]),
+        rec("varuna", "1f1b", 1.15, [1.0, 1.0]),
+        rec("varuna", "zb-h1", 1.25, [0.9, 1.2]),
+        rec("single", None, 2.0, [2.0]),
+    ]
+    got = compute_ceilings(results)
+    assert got["pipeline"] == 2 and got["torch_1f1b_step_s"] == 1.2
+    assert got["schedules"]["1f1b"] == {
+        "busiest_rank_thread_cpu_s": 1.0,
+        "mean_rank_thread_cpu_s": 1.0,
+        "measured_over_torch_1f1b": round(1.2 / 1.15, 4),
+        "over_torch_1f1b_at_these_cuts": 1.2,
+        "over_torch_1f1b_balanced": 1.2,
+    }
+    zb = got["schedules"]["zb-h1"]
+    assert zb["over_torch_1f1b_at_these_cuts"] == 1.0 and zb["over_torch_1f1b_balanced"] == round(
+        1.2 / 1.05, 4
+    )
+    assert compute_ceilings([r for r in results if r["system"] != "torch.pipelining"]) == {}
 
 
 def test_share_of_ideal() -> None:

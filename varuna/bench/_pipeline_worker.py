@@ -59,18 +59,22 @@ def _batches(spec: dict[str, Any]) -> list[dict[str, Tensor]]:
 
 
 class _Clock:
-    """Wall and CPU seconds (this process, all its threads: gloo's too) of each step."""
+    """Wall and CPU seconds of each step: the process's (all its threads: gloo's too) and the
+    calling thread's alone (where every forward, backward and optimizer step runs; never more than
+    the wall time)."""
 
     def __init__(self) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.thread: list[float] = []
 
     def start(self) -> None:
-        self._t, self._c = time.perf_counter(), time.process_time()
+        self._t, self._c, self._h = time.perf_counter(), time.process_time(), time.thread_time()
 
     def stop(self) -> None:
         self.wall.append(time.perf_counter() - self._t)
         self.cpu.append(time.process_time() - self._c)
+        self.thread.append(time.thread_time() - self._h)
 
 
 def _step_peak_bytes(step: Callable[[], object]) -> int | None:
@@ -98,11 +102,16 @@ def _step_peak_bytes(step: Callable[[], object]) -> int | None:
     return max(status("VmHWM") - base, 0)
 
 
-def _summary(step_s: list[float], cpu_s: list[list[float]], spec: dict[str, Any]) -> dict[str, Any]:
+def _summary(
+    step_s: list[float],
+    cpu_s: list[list[float]],
+    spec: dict[str, Any],
+    thread_s: list[list[float]] | None = None,
+) -> dict[str, Any]:
     """samples/s from the median timed step (and from the fastest one, less hurt by a noisy host).
 
-    `cpu_s` holds each rank's CPU seconds per step; their medians say how much work a rank did,
-    whatever else ran on the host meanwhile.
+    `cpu_s` holds each rank's CPU seconds per step (`thread_s` its main thread's); their medians say
+    how much work a rank did, whatever else ran on the host meanwhile.
     """
     w = spec["warmup"]
     timed = step_s[w:]
@@ -114,7 +123,11 @@ def _summary(step_s: list[float], cpu_s: list[list[float]], spec: dict[str, Any]
         "step_s": [round(t, 5) for t in timed],
         "warmup_step_s": [round(t, 5) for t in step_s[:w]],
         "cpu_s_per_step_per_stage": [round(statistics.median(c[w:]), 4) for c in cpu_s],
-    }
+    } | (
+        {}
+        if thread_s is None
+        else {"thread_cpu_s_per_step_per_stage": [round(statistics.median(c[w:]), 4) for c in thread_s]}
+    )
 
 
 # ------------------------------------------------------------------------------------------ single
@@ -230,7 +243,8 @@ def _stage_units(boundaries: list[int], stage: int, units: list[tuple[str, int]]
 
 class _Stage(nn.Module):
     """One torch.pipelining stage cut from the GPT: the embedding on the first, then its units, and
-    ln_f with the LM head on the last (an untied copy of the token embedding; see pipeline.py)."""
+    ln_f with the LM head on the last: the GPT's own head, or for a GPT that ties its head to the
+    token embedding an untied copy of it (torch.pipelining has no weights shared across stages)."""
 
     def __init__(self, gpt: GPT, units: list[tuple[str, int]], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -242,9 +256,12 @@ class _Stage(nn.Module):
         self.head: nn.Linear | None = None
         if last:
             self.ln_f = gpt.ln_f
-            self.head = nn.Linear(gpt.config.d_model, gpt.config.vocab_size, bias=False)
-            with torch.no_grad():
-                self.head.weight.copy_(gpt.wte.weight)
+            if gpt.lm_head is not None:
+                self.head = gpt.lm_head
+            else:
+                self.head = nn.Linear(gpt.config.d_model, gpt.config.vocab_size, bias=False)
+                with torch.no_grad():
+                    self.head.weight.copy_(gpt.wte.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.wte is not None and self.wpe is not None:  # x is the input ids
@@ -389,7 +406,10 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
         for system in names:  # one more step each, untimed: the memory it needs at its peak
             dist.barrier()
             peaks[system] = _step_peak_bytes(functools.partial(systems[system].step, batches[0]))
-        mine = {k: {"step_s": c.wall, "cpu_s": c.cpu, "losses": losses[k]} for k, c in clocks.items()}
+        mine = {
+            k: {"step_s": c.wall, "cpu_s": c.cpu, "thread_s": c.thread, "losses": losses[k]}
+            for k, c in clocks.items()
+        }
         fractions = {}
         if engine is not None:
             timed = engine.history[w:]
@@ -418,7 +438,12 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "schedule": name,
                 "pipeline": P,
                 "microbatches": M,
-                **_summary(slowest[system], [r["systems"][system]["cpu_s"] for r in every], spec),
+                **_summary(
+                    slowest[system],
+                    [r["systems"][system]["cpu_s"] for r in every],
+                    spec,
+                    [r["systems"][system]["thread_s"] for r in every],
+                ),
                 "boundaries": spec["boundaries_by_chunks"][_layout(name)],
                 "step_peak_bytes_per_stage": [r["peaks"][system] for r in every],
             }

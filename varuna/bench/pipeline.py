@@ -14,10 +14,13 @@ with AdamW and one torch thread per rank:
                        (with one stage per rank: ZB1P, the ZB-H1 of zb-h1) on per-stage modules cut
                        from the same GPT at the same boundaries Varuna chose (the bench GPT has a
                        CutPoint inside every block too, so a boundary may split a block between its
-                       attention and its MLP; both systems then split it there). The last stage's
-                       LM head is an untied copy of the token embedding (torch.pipelining has no
-                       tied weights across stages); it does the same matmul, so throughput is the
-                       same, but after step 0 its weights drift from Varuna's.
+                       attention and its MLP; both systems then split it there).
+
+The bench GPT has its own LM head, not tied to the token embedding: torch.pipelining cannot share a
+weight between stages, so with a tied GPT its last stage would train another model (an untied copy)
+while Varuna summed the two stages' gradients of one weight each step. Untied, every system trains
+the same model with the same weights. (A tied config still runs: torch.pipelining then gets the
+untied copy, and `model.torch_pipelining_head` says so.)
 
 A step is timed from a barrier to the end of the optimizer step, on every rank; its time is the
 slowest rank's. samples/s = global batch / median timed step. Processes are reused: one job per P
@@ -41,16 +44,20 @@ each pipeline's samples/s over its bubble-limited ideal M / (M + P - 1) * P * si
 than the host's cores cannot reach that ideal (ranks share cores); such P are listed under
 `oversubscribed`. Varuna's own schedule recomputes forwards (activation memory for compute), so
 its ideal is lower than GPipe's and 1F1B's by about one forward per micro-batch on non-last stages.
+
+`ratios.ceilings` bounds each Varuna schedule by its own work: torch.pipelining's 1F1B step over
+the busiest rank's main-thread CPU seconds per step (no order of that work, idle all removed, can
+beat it at these boundaries) and over the ranks' mean (nor with perfectly balanced stages); see
+`varuna.bench._pipeline_report.compute_ceilings`. A schedule's measured ratio over torch's 1F1B
+can approach its ceiling only as far as its fill, drain and waiting allow.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,9 +67,14 @@ from pathlib import Path
 from typing import Any
 
 from varuna.bench import bench_env, log, print_report, require_positive
+from varuna.bench._pipeline_report import (
+    compute_ceilings,
+    compute_ratios,
+    format_table,
+)
 from varuna.errors import ConfigError, LaunchError
 
-__all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "format_table"]
+__all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "compute_ceilings", "format_table"]
 
 _ROOT = Path(__file__).resolve().parents[2]
 _WORKER = "varuna.bench._pipeline_worker"
@@ -131,13 +143,18 @@ class PipelineBench:
         return self.global_batch_size // self.micro_batch_size
 
 
+UNTIED = {"tie_embeddings": False}
+"""The bench GPT's own LM head (see the module's docstring): the same model for every system."""
+
+
 def full() -> PipelineBench:
-    """`gpt_bench()` (8 blocks, d_model 256, seq 128, vocab 4096), batch 32 in 8 micro-batches, P = 2 and 4."""
+    """`gpt_bench()` (8 blocks, d_model 256, seq 128, vocab 4096) with its own LM head, batch 32 in
+    8 micro-batches, P = 2 and 4."""
     from varuna.models import gpt_bench
 
     # 6 schedules x 3 systems at P = 2 and 5 x 2 at P = 4 in 6.5-7.5 minutes on 2 cores (8 pairs and 3
     # steps at P = 4 took 463-505 s on a slow day: over the 8 minutes the issue allows)
-    return PipelineBench(model=asdict(gpt_bench()), paired_steps=7, steps=2)
+    return PipelineBench(model=asdict(gpt_bench()) | UNTIED, paired_steps=7, steps=2)
 
 
 def quick() -> PipelineBench:
@@ -146,7 +163,7 @@ def quick() -> PipelineBench:
     from varuna.models import gpt_tiny
 
     return PipelineBench(
-        model=asdict(gpt_tiny()) | {"cut_inside_blocks": True},
+        model=asdict(gpt_tiny()) | {"cut_inside_blocks": True} | UNTIED,
         global_batch_size=12,  # M = 6: interleaved-1f1b runs rounds of P micro-batches
         micro_batch_size=2,
         pipelines=(3,),
@@ -233,165 +250,6 @@ def _job(bench: PipelineBench, tmp: Path, pipeline: int, *, single: bool) -> lis
     return list(json.loads(out.read_text()))
 
 
-# -------------------------------------------------------------------------------------- report
-
-
-def _ratios(results: list[dict[str, Any]], rate: str) -> dict[str, Any]:
-    single = next(r for r in results if r["system"] == "single")[rate]
-    by = {(r["system"], r["schedule"], r["pipeline"]): r for r in results}
-    vs_torch: dict[str, dict[str, float]] = {}
-    of_ideal: dict[str, dict[str, dict[str, float]]] = {}
-    ideal: dict[str, float] = {}
-    for r in results:
-        if r["system"] == "single":
-            continue
-        P, M, key = r["pipeline"], r["microbatches"], f"P{r['pipeline']}"
-        ideal[key] = M / (M + P - 1) * P * single
-        base = r.get("single_" + rate, single)  # measured in the same rounds (paired), else the single job
-        of_ideal.setdefault(r["system"], {}).setdefault(key, {})[r["schedule"]] = r[rate] / (
-            M / (M + P - 1) * P * base
-        )
-        other = by.get(("torch.pipelining", r["schedule"], P))
-        if r["system"] == "varuna" and other is not None:
-            vs_torch.setdefault(key, {})[r["schedule"]] = r[rate] / other[rate]
-    return {
-        "varuna_over_torch_pipelining": vs_torch,
-        "of_bubble_ideal": of_ideal,
-        "bubble_ideal_samples_per_s": ideal,
-    }
-
-
-def paired_ratios(results: list[dict[str, Any]], resamples: int = 2000) -> dict[str, Any]:
-    """From the paired job: per P and schedule, the median over rounds of torch.pipelining's step time
-    over Varuna's (> 1: Varuna faster), and under "of_bubble_ideal" each pipeline's share of its
-    bubble-limited ideal M / (M + P - 1) * P * single with the single step of the same round; each
-    with a 90% bootstrap interval (rounds resampled, fixed seed)."""
-    rng = random.Random(0)
-
-    def summary(values: list[float]) -> dict[str, Any]:
-        medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-        return {
-            "median": round(statistics.median(values), 4),
-            "ci90": [round(medians[int(0.05 * resamples)], 4), round(medians[int(0.95 * resamples) - 1], 4)],
-            "pairs": len(values),
-        }
-
-    vs_torch: dict[str, dict[str, Any]] = {}
-    of_ideal: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in results:
-        key = f"P{r['pipeline']}"
-        if r["system"] == "varuna" and r.get("pair_ratios"):
-            vs_torch.setdefault(key, {})[r["schedule"]] = summary(r["pair_ratios"])
-        if r.get("of_ideal_per_round"):
-            of_ideal.setdefault(r["system"], {}).setdefault(key, {})[r["schedule"]] = summary(
-                r["of_ideal_per_round"]
-            )
-    return {"varuna_over_torch_pipelining": vs_torch, "of_bubble_ideal": of_ideal}
-
-
-def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets at the smallest P (the paired job): Varuna's fastest schedule over
-    torch.pipelining's 1F1B and over its fastest schedule (median samples/s of the same rounds), and
-    the smallest paired ratio over the schedules both run (each should be >= 1)."""
-    P = min(r["pipeline"] for r in results if r["system"] != "single")
-    rate = {
-        system: {
-            r["schedule"]: r["samples_per_s"] for r in results if r["system"] == system and r["pipeline"] == P
-        }
-        for system in ("varuna", "torch.pipelining")
-    }
-    mine, theirs = rate["varuna"], rate["torch.pipelining"]
-    if not mine or not theirs:
-        return {}
-    best, best_torch = max(mine, key=mine.__getitem__), max(theirs, key=theirs.__getitem__)
-    paired = paired_ratios(results)["varuna_over_torch_pipelining"].get(f"P{P}", {})
-    worst = min(paired, key=lambda s: paired[s]["median"]) if paired else None
-    out: dict[str, Any] = {
-        "pipeline": P,
-        "varuna_best": best,
-        "torch_best": best_torch,
-        "varuna_best_over_torch_best": round(mine[best] / theirs[best_torch], 4),
-        "worst_same_schedule": None if worst is None else {"schedule": worst, **paired[worst]},
-    }
-    if "1f1b" in theirs:
-        out["varuna_best_over_torch_1f1b"] = round(mine[best] / theirs["1f1b"], 4)
-    return out
-
-
-def compute_ratios(results: list[dict[str, Any]], host_cores: int) -> dict[str, Any]:
-    """varuna / torch.pipelining per (P, schedule), and every pipeline's share of its bubble-limited ideal.
-
-    From the median steps (`samples_per_s`), and again under `from_best_step` from the fastest
-    steps (`best_samples_per_s`), which a host busy with other work distorts less.
-    """
-    pipelines = sorted({r["pipeline"] for r in results if r["system"] != "single"})
-    return {
-        **_ratios(results, "samples_per_s"),
-        "paired": paired_ratios(results),
-        "targets": targets(results),
-        "from_best_step": _ratios(results, "best_samples_per_s"),
-        "oversubscribed": {f"P{P}": P > host_cores for P in pipelines},
-    }
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """The results and ratios as aligned text."""
-    m = report["model"]
-    lines = [
-        f"GPT {m['config']['n_layer']} blocks, d_model {m['config']['d_model']}, seq {m['config']['seq_len']}, "
-        f"{m['params'] / 1e6:.2f}M params; batch {m['global_batch_size']} = {m['microbatches']} x "
-        f"{m['micro_batch_size']}; {m['threads_per_rank']} thread/rank on {m['host_cores']} cores "
-        f"(load {m['load_before'][0]:.2f} before, {m['load_after'][0]:.2f} after)",
-        "",
-        f"{'system':<17} {'schedule':<16} {'P':>2} {'M':>2} {'samples/s':>10} {'best':>7} {'step s':>8} "
-        f"{'of ideal':>9} {'cpu s/step per stage':>28} {'step peak MB per stage':>24}",
-    ]
-    ideal = report["ratios"]["of_bubble_ideal"]
-    for r in report["results"]:
-        share = ideal.get(r["system"], {}).get(f"P{r['pipeline']}", {}).get(r["schedule"])
-        lines.append(
-            f"{r['system']:<17} {r['schedule'] or '-':<16} {r['pipeline']:>2} {r['microbatches']:>2} "
-            f"{r['samples_per_s']:>10.2f} {r['best_samples_per_s']:>7.2f} {r['median_step_s']:>8.3f} "
-            f"{'' if share is None else f'{share:.2f}':>9} "
-            f"{' '.join(f'{c:.3f}' for c in r['cpu_s_per_step_per_stage']):>28} "
-            f"{' '.join('-' if b is None else f'{b / 2**20:.1f}' for b in r.get('step_peak_bytes_per_stage') or []):>24}"
-        )
-    lines.append("")
-    best = report["ratios"]["from_best_step"]["varuna_over_torch_pipelining"]
-    for key, per in report["ratios"]["varuna_over_torch_pipelining"].items():
-        flag = " (oversubscribed)" if report["ratios"]["oversubscribed"].get(key) else ""
-        pairs = ", ".join(f"{s} {v:.2f} (best steps {best[key][s]:.2f})" for s, v in per.items())
-        lines.append(f"varuna / torch.pipelining at {key}{flag}: {pairs}")
-    paired = report["ratios"]["paired"]
-    for system, by_p in paired["of_bubble_ideal"].items():
-        for p, shares in by_p.items():
-            text = ", ".join(
-                f"{s} {v['median']:.3f} ({v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})" for s, v in shares.items()
-            )
-            lines.append(f"paired, {system} at {p} of its ideal (single in the same rounds): {text}")
-    for key, per in paired["varuna_over_torch_pipelining"].items():
-        pairs = ", ".join(
-            f"{s} {v['median']:.3f} (90% interval {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f}, {v['pairs']} pairs)"
-            for s, v in per.items()
-        )
-        lines.append(f"paired, torch step / varuna step at {key}: {pairs}")
-    goal = report["ratios"].get("targets") or {}
-    if goal:
-        worst = goal["worst_same_schedule"]
-        lines.append(
-            f"targets at P{goal['pipeline']}: varuna's best ({goal['varuna_best']}) / torch 1f1b "
-            f"{goal.get('varuna_best_over_torch_1f1b', float('nan')):.3f} (>= 1.10), / torch's best "
-            f"({goal['torch_best']}) {goal['varuna_best_over_torch_best']:.3f} (>= 1.0)"
-            + (
-                ""
-                if worst is None
-                else f"; worst same-schedule pair {worst['schedule']} {worst['median']:.3f}"
-            )
-        )
-    lines.append(f"wall time {report['wall_s']:.0f} s")
-    return "\n".join(lines)
-
-
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -427,7 +285,11 @@ def run(bench: PipelineBench) -> dict[str, Any]:
             "paired_steps": bench.paired_steps,
             "optimizer": "AdamW",
             "single_mode": "micro-batched: forward+backward per micro-batch, gradients accumulated",
-            "torch_pipelining_head": "untied copy of the token embedding on the last stage",
+            "torch_pipelining_head": (
+                "untied copy of the token embedding on the last stage"
+                if bench.model.get("tie_embeddings", True)
+                else "the GPT's own LM head (the same model as every system's)"
+            ),
             "torch_version": torch.__version__,
             "load_before": load_before,
             "load_after": _load(),
