@@ -46,6 +46,24 @@ def test_a_stand_in_carries_no_autograd_and_repeats_cost_a_lookup() -> None:
     assert cached >= 1 and len(_standin._op_cache) == cached
 
 
+def test_leaves_are_pytrees_leaves_in_its_order() -> None:
+    from collections import OrderedDict, namedtuple
+
+    from torch.utils._pytree import tree_flatten
+
+    Pair = namedtuple("Pair", "a b")
+    x, w = _stand_in(2, 3), nn.Parameter(torch.ones(2))
+    for args, kwargs in [
+        ((x, 1, None), {}),
+        ((x, [w, (2.0, torch.float16)]), {"dim": -1, "out": None}),
+        ((Pair(x, w), OrderedDict(k=w)), {"nested": {"t": (x,)}}),  # pytree's own containers
+        ((torch.Size([2, 3]), torch.device("cpu"), "s"), {}),
+    ]:
+        got = _standin._leaves(args, kwargs)
+        want = tree_flatten((args, kwargs))[0]
+        assert len(got) == len(want) and all(a is b or a == b for a, b in zip(got, want))
+
+
 def test_values_of_a_stand_in_cannot_be_read() -> None:
     x = _stand_in(3, origin="transformer.h.2")
     with stand_in_context(1, "transformer.varuna_cuts.3", {}):

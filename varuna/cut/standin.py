@@ -168,9 +168,32 @@ class StandIn(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
+_PLAIN = (torch.Tensor, bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format)
+
+
+def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The leaves `tree_flatten((args, kwargs))` gives, without its cost where the arguments are
+    plain tuples, lists and dicts of tensors and numbers (every stand-in operation goes through
+    here); any other container (a namedtuple, a registered ModelOutput) is flattened by pytree."""
+    out: list[Any] = []
+    stack: list[Any] = [kwargs, args]
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is tuple or kind is list:
+            stack.extend(reversed(value))
+        elif kind is dict:
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, _PLAIN):
+            out.append(value)
+        else:
+            out.extend(tree_flatten(value)[0])
+    return out
+
+
 def _function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A torch function called with a stand-in among its arguments (before dispatch)."""
-    leaves = tree_flatten((args, kwargs))[0]
+    leaves = _leaves(args, kwargs)
     origin = next((a.origin for a in leaves if isinstance(a, StandIn)), None)
     if origin is not None:
         for a in leaves:
@@ -231,7 +254,7 @@ def _op_name(func: Any) -> str:
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    leaves = tree_flatten((args, kwargs))[0]
+    leaves = _leaves(args, kwargs)
     standins = [a for a in leaves if isinstance(a, StandIn)]
     first = standins[0]
     if func._schema.is_mutable:
@@ -273,6 +296,8 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _stand_ins(meta_out: Any, device: torch.device, origin: str) -> Any:
     """`meta_out` (any nesting) with each meta tensor as a fresh stand-in on `device`."""
+    if isinstance(meta_out, torch.Tensor):
+        return StandIn(meta_out, device, origin)
     return tree_map(lambda t: StandIn(t, device, origin) if isinstance(t, torch.Tensor) else t, meta_out)
 
 
