@@ -50,3 +50,6 @@ def test_each_component_validates_its_own_fields() -> None:
         PlannerConfig(memory_limit="lots")
     with pytest.raises(ConfigError, match=r"needs global_batch_size, micro_batch_size"):
         VarunaConfig(pipeline=1, data=1)
+    with pytest.raises(ConfigError, match=r"partition='quickest': use 'balanced', 'fastest', 'uniform'"):
+        VarunaConfig(**BASE, partition="quickest")
+    assert VarunaConfig(**BASE, partition="fastest").engine.partition == "fastest"

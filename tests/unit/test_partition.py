@@ -197,3 +197,47 @@ def test_bad_explicit_boundaries() -> None:
         make_partition(trace, 2, boundaries=[0, 1])
     with pytest.raises(PartitionError, match=r"strictly increasing CutPoint indices in 0..2"):
         make_partition(trace, 3, boundaries=[1, 1])
+
+
+# The bench GPT's profile (forward + backward seconds of its 16 half-block segments, the last with
+# the LM head), measured on the 2-core host.
+BENCH_SEGMENTS = [0.01399, 0.01568, 0.01171, 0.01546, 0.01175, 0.01535, 0.01133, 0.01531,
+                  0.01171, 0.01516, 0.01127, 0.01540, 0.01178, 0.01516, 0.01284, 0.05077]  # fmt: skip
+
+
+def test_fastest_cut_is_balanced_where_the_schedule_wants_it_and_moves_where_it_does_not() -> None:
+    from varuna.planner.cuts import fit_boundaries, simulated_step
+
+    assert balance(BENCH_SEGMENTS, 2) == (8,)
+    # 1F1B's drain is a chain of whole backwards: balance is its best cut
+    assert fit_boundaries(BENCH_SEGMENTS, (8,), "1f1b", 2, 8) == (8,)
+    # ZB-H1's last stage fills its drain with W; its first stage may take more than half
+    fitted = fit_boundaries(BENCH_SEGMENTS, (8,), "zb-h1", 2, 8)
+    assert fitted == (9,)
+    assert simulated_step(BENCH_SEGMENTS, fitted, "zb-h1", 2, 8) < simulated_step(
+        BENCH_SEGMENTS, (8,), "zb-h1", 2, 8
+    )
+    # Varuna's first stage recomputes every forward: it gets less
+    assert fit_boundaries(BENCH_SEGMENTS, (8,), "varuna", 2, 8)[0] < 8
+    # started anywhere, the fit never leaves a stage empty and never ends slower than it began
+    for start in [(0,), (14,), (0, 1, 2), (12, 13, 14)]:
+        name, P = ("1f1b", 2) if len(start) == 1 else ("interleaved-1f1b", 2)
+        cut = fit_boundaries(BENCH_SEGMENTS, start, name, P, 8)
+        assert list(cut) == sorted(set(cut)) and 0 <= cut[0] and cut[-1] <= len(BENCH_SEGMENTS) - 2
+        assert simulated_step(BENCH_SEGMENTS, cut, name, P, 8) <= simulated_step(
+            BENCH_SEGMENTS, start, name, P, 8
+        )
+    assert fit_boundaries(BENCH_SEGMENTS, (0,), "1f1b", 2, 8) != (0,)
+
+
+def test_fastest_cut_refuses_boundaries_that_do_not_fit() -> None:
+    from varuna.planner.cuts import fit_boundaries
+
+    with pytest.raises(
+        PartitionError, match=r"got 1 boundaries for 4 stages \(interleaved-1f1b at P=2\); give 3"
+    ):
+        fit_boundaries(BENCH_SEGMENTS, (8,), "interleaved-1f1b", 2, 8)
+    with pytest.raises(PartitionError, match=r"must rise strictly within \[0, 14\]"):
+        fit_boundaries(BENCH_SEGMENTS, (9, 8, 12), "interleaved-1f1b", 2, 8)
+    with pytest.raises(PartitionError, match=r"must rise strictly"):
+        fit_boundaries(BENCH_SEGMENTS, (15,), "1f1b", 2, 8)

@@ -214,24 +214,12 @@ def _chunks(schedule: str) -> int:
     return schedule_spec(schedule).chunks_per_rank
 
 
-def _layout(schedule: str) -> str:
-    """Chunks per rank and their placement: schedules sharing it share boundaries (interleaved's,
-    balanced for its loop placement, would leave zb-v's V ranks uneven)."""
-    from varuna.schedule import schedule_spec
-
-    spec = schedule_spec(schedule)
-    return (
-        f"{spec.chunks_per_rank}" if spec.chunks_per_rank == 1 else f"{spec.chunks_per_rank}-{spec.placement}"
-    )
-
-
 def _partition(spec: dict[str, Any], schedule: str) -> Any:
-    """The boundaries the first engine with this layout (chunks per rank, placement) chose, else the
-    spec's partition (one chunk per rank) or "balanced"."""
-    chosen = spec.get("boundaries_by_chunks", {}).get(_layout(schedule))
-    if chosen is not None:
-        return chosen
-    return spec.get("partition", "balanced") if _chunks(schedule) == 1 else "balanced"
+    """The spec's partition: "fastest" (each schedule its own cut, fitted by the simulator to the
+    profiled costs: `varuna.planner.cuts`), "balanced", or a list of boundaries (one-chunk
+    schedules; the others then take "fastest")."""
+    chosen = spec.get("partition", "fastest")
+    return chosen if isinstance(chosen, str) or _chunks(schedule) == 1 else "fastest"
 
 
 def _stage_units(boundaries: list[int], stage: int, units: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -308,7 +296,7 @@ class _TorchRunner:
         self.first, self.last = 0 in held, n - 1 in held
         units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
         gpt = _model(spec["model"])
-        bounds = spec["boundaries_by_chunks"][_layout(name)]
+        bounds = spec["boundaries_by_schedule"][name]
         self.modules = [
             _Stage(gpt, _stage_units(bounds, v, units), first=v == 0, last=v == n - 1) for v in held
         ]
@@ -365,8 +353,9 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     pipeline's share of its ideal compares it with the host as it was at the same time
     (`of_ideal_per_round`). One job per P also means one start-up per P, not one per system.
 
-    Varuna's first engine chooses the boundaries (`spec["partition"]`, "balanced" by default);
-    every later engine and every torch.pipelining stage of the job is cut at the same ones.
+    Varuna's engine of each schedule chooses that schedule's boundaries (`spec["partition"]`,
+    "fastest" by default: the segment profile is shared, the cut fitted to the schedule), and
+    torch.pipelining's stages of the same schedule are cut at the same ones.
     """
     import torch.distributed as dist
 
@@ -383,11 +372,10 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if name in varuna_schedules:
             runner = _VarunaRunner(spec, name, batches[0])
             engine = runner.engine
-            chosen = spec.setdefault("boundaries_by_chunks", {})
-            if _layout(name) not in chosen:  # the first engine chose them: every other system uses them
-                chosen[_layout(name)] = list(engine.partition.boundaries)
-                if rank == 0:
-                    _log(f"P={P}, layout {_layout(name)}: boundaries {list(engine.partition.boundaries)}")
+            # Varuna's engine cut the model for this schedule: torch.pipelining runs the same cut
+            spec.setdefault("boundaries_by_schedule", {})[name] = list(engine.partition.boundaries)
+            if rank == 0:
+                _log(f"P={P} {name}: boundaries {list(engine.partition.boundaries)}")
             systems["varuna"] = runner
         if name in torch_schedules:
             systems["torch.pipelining"] = _TorchRunner(spec, name)
@@ -444,7 +432,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     spec,
                     [r["systems"][system]["thread_s"] for r in every],
                 ),
-                "boundaries": spec["boundaries_by_chunks"][_layout(name)],
+                "boundaries": spec["boundaries_by_schedule"][name],
                 "step_peak_bytes_per_stage": [r["peaks"][system] for r in every],
             }
             if system == "varuna":

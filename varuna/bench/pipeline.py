@@ -9,12 +9,13 @@ with AdamW and one torch thread per rank:
     single             one process; each step runs forward+backward on every micro-batch and
                        accumulates gradients (same micro-batch size as the pipelines, so the same
                        kernels on the same shapes), then one optimizer step: the per-rank ideal.
-    varuna             `Varuna(...)` with each schedule, at each P, D = 1, partition "balanced".
+    varuna             `Varuna(...)` with each schedule, at each P, D = 1, partition "fastest" (the
+                       profiled costs balanced, then the cut fitted to the schedule by the simulator).
     torch.pipelining   `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleavedZeroBubble`
                        (with one stage per rank: ZB1P, the ZB-H1 of zb-h1) on per-stage modules cut
-                       from the same GPT at the same boundaries Varuna chose (the bench GPT has a
-                       CutPoint inside every block too, so a boundary may split a block between its
-                       attention and its MLP; both systems then split it there).
+                       from the same GPT at the boundaries Varuna chose for that schedule (the bench
+                       GPT has a CutPoint inside every block too, so a boundary may split a block
+                       between its attention and its MLP; both systems then split it there).
 
 The bench GPT has its own LM head, not tied to the token embedding: torch.pipelining cannot share a
 weight between stages, so with a tied GPT its last stage would train another model (an untied copy)
@@ -137,6 +138,11 @@ class PipelineBench:
         for s in self.torch_schedules:
             if s not in TORCH_SCHEDULES:
                 raise ConfigError(f"torch.pipelining schedule {s!r} is not one of {TORCH_SCHEDULES}")
+            if s not in self.varuna_schedules:
+                raise ConfigError(
+                    f"torch.pipelining schedule {s!r} is not among varuna_schedules {self.varuna_schedules}: "
+                    "torch.pipelining runs where Varuna's engine cut the model for the same schedule; add it there"
+                )
 
     @property
     def microbatches(self) -> int:
@@ -228,7 +234,7 @@ def _job(bench: PipelineBench, tmp: Path, pipeline: int, *, single: bool) -> lis
         "varuna_schedules": list(bench.varuna_schedules),
         "torch_schedules": list(bench.torch_schedules),
         "single": single,
-        "partition": "balanced",
+        "partition": "fastest",
         "warmup": bench.warmup,
         "steps": bench.paired_steps if single else bench.steps,
         "out": str(out),

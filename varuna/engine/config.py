@@ -56,8 +56,10 @@ class EngineConfig:
     """fp32, or autocast to bf16 or fp16 (fp16 adds a loss scaler agreed over all ranks)."""
     shared_weights: Sequence[Sequence[str]] = ()
     """Groups of parameter names that are one weight (gradients summed, values kept equal)."""
-    partition: Literal["balanced", "uniform"] | Sequence[int] = "balanced"
-    """'balanced' by measured time per segment, 'uniform' by parameter count, or P-1 CutPoint indices."""
+    partition: Literal["balanced", "fastest", "uniform"] | Sequence[int] = "balanced"
+    """'balanced' by measured time per segment; 'fastest': balanced, then each boundary moved while the
+    simulated step of this schedule gets shorter (`varuna.planner.cuts`); 'uniform' by parameter
+    count; or P-1 CutPoint indices."""
     recompute: bool | None = None
     """Recompute forward just before backward on non-last stages; default: only for 'varuna'."""
     split_backward: bool = True
@@ -89,9 +91,10 @@ class EngineConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not one of {PRECISIONS}")
         if isinstance(self.partition, str):
-            if self.partition not in ("balanced", "uniform"):
+            if self.partition not in ("balanced", "fastest", "uniform"):
                 raise ConfigError(
-                    f"partition={self.partition!r}: use 'balanced', 'uniform' or a list of P-1 CutPoint indices"
+                    f"partition={self.partition!r}: use 'balanced', 'fastest', 'uniform' or a list of P-1 "
+                    "CutPoint indices"
                 )
         elif not all(isinstance(b, int) for b in self.partition):
             raise ConfigError(

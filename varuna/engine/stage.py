@@ -31,6 +31,7 @@ from varuna.cut.cutpoint import CONTAINERS, CutPoint
 from varuna.cut.partition import (
     Partition,
     Trace,
+    balance,
     balance_ranks,
     canonical_names,
     make_partition,
@@ -74,7 +75,7 @@ def partition(
     num_stages = config.engine.pipeline if num_stages is None else num_stages
     boundaries = None if isinstance(config.engine.partition, str) else list(config.engine.partition)
     costs = None
-    balanced = boundaries is None and config.engine.partition == "balanced"
+    balanced = boundaries is None and config.engine.partition in ("balanced", "fastest")
     if (balanced or (timed and boundaries is not None)) and num_stages > 1:
         assert micro is not None  # pipeline > 1 always traces an example micro-batch
         costs = _segment_costs(
@@ -84,6 +85,22 @@ def partition(
             balanced and owners is not None and len(owners) > config.engine.pipeline
         ):  # several chunks per rank
             boundaries = list(balance_ranks(costs, owners))
+        if balanced and config.engine.partition == "fastest":
+            from varuna.planner.cuts import fit_boundaries
+
+            e = config.engine
+            start = boundaries if boundaries is not None else balance(costs, num_stages)
+            boundaries = list(
+                fit_boundaries(
+                    costs,
+                    start,
+                    e.schedule,
+                    e.pipeline,
+                    e.num_microbatches,
+                    recompute=e.recompute,
+                    split_backward=e.split_backward,
+                )  # fmt: skip
+            )
     return make_partition(
         trace,
         num_stages,
