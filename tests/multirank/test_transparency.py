@@ -155,8 +155,8 @@ def test_two_chunks_per_rank_equal_plain_training(runs, world, P, D, uneven, kin
     for r in results:
         assert r["chunk_stages"] == spec.stages_of(r["stage"], P) and len(r["chunk_stages"]) == 2
         assert r["in_memory"] == sorted(r["params"])  # only its two chunks' parameters are real
-        # zb-v splits every backward after virtual stage 0; interleaved its first and last per chunk
-        per_chunk = M if not spec.split_backward else 2
+        # zb-v splits every backward after virtual stage 0 (its order places W); interleaved none
+        per_chunk = {"zb-v": M, "interleaved-1f1b": 0}[schedule]
         assert r["split"] == per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
 
 
