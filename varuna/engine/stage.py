@@ -149,16 +149,14 @@ def _segment_costs(
 def action_costs(partition: Partition) -> list[tuple[float, float, float]] | None:
     """Each virtual stage's (F, B, W) seconds from the profiled segment costs (forward + backward),
     split as the simulator splits them (`StageCost`); None without a profile (given boundaries)."""
-    from varuna.planner.simulator import StageCost
+    from varuna.planner.cuts import stage_costs
 
     if partition.segment_costs is None:
         return None
-    out = []
-    for v in range(partition.num_stages):
-        c = max(sum(partition.segment_costs[j] for j in partition.stage_segments(v)), 1e-9)
-        cost = StageCost(forward_s=c / 3, backward_s=2 * c / 3)
-        out.append((cost.seconds("F"), cost.seconds("B", split=True), cost.seconds("W")))
-    return out
+    return [
+        (cost.seconds("F"), cost.seconds("B", split=True), cost.seconds("W"))
+        for cost in stage_costs(partition.segment_costs, partition.boundaries)
+    ]
 
 
 def strip(

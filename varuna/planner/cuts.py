@@ -19,17 +19,18 @@ from varuna.errors import PartitionError
 from varuna.planner.simulator import StageCost, simulate
 from varuna.schedule import ScheduleName, schedule_spec
 
-__all__ = ["fit_boundaries", "simulated_step"]
+__all__ = ["fit_boundaries", "simulated_step", "stage_costs"]
 
 MIN_GAIN = 1e-3
 """A move is taken only if it shortens the simulated step by this share (profile noise is larger
 than the differences below it)."""
 
 
-def _stage_costs(segment_costs: Sequence[float], boundaries: Sequence[int]) -> list[StageCost]:
+def stage_costs(segment_costs: Sequence[float], boundaries: Sequence[int]) -> list[StageCost]:
+    """Each stage's cost per micro-batch when the profiled segments (each one's forward + backward
+    seconds) are cut at `boundaries`: a third of it forward, the rest backward (at least 1 ns)."""
     edges = [-1, *boundaries, len(segment_costs) - 1]
-    costs = [sum(segment_costs[a + 1 : b + 1]) for a, b in zip(edges, edges[1:])]
-    # a stage's forward is a third of its forward + backward (as `varuna.engine.stage.action_costs`)
+    costs = [max(sum(segment_costs[a + 1 : b + 1]), 1e-9) for a, b in zip(edges, edges[1:])]
     return [StageCost(forward_s=c / 3, backward_s=2 * c / 3) for c in costs]
 
 
@@ -49,7 +50,7 @@ def simulated_step(
         schedule,
         num_ranks,
         num_microbatches,
-        _stage_costs(segment_costs, boundaries),
+        stage_costs(segment_costs, boundaries),
         recompute=recompute,
         split_backward=split_backward,
     ).step_s
