@@ -61,6 +61,22 @@ def test_thin_keeps_recent_points_whole_and_bounds_the_rest() -> None:
         figures.thin(xs, xs, 1)
 
 
+def test_the_timeline_leaves_out_a_step_not_every_rank_has_reported(tmp_path: Path) -> None:
+    ctl = JobController(tmp_path)
+    for step in range(3):
+        for e in synthetic_step_events(step, 2, 4, t0=50.0 + step):
+            if step < 2 or e["rank"] == 0:  # step 2: only rank 0's spans have come
+                ctl.store.add(e)
+    timeline = ctl.timeline(2)
+    assert timeline.steps == [0, 1]
+    assert [sum(s.kind == "F" for s in row.spans) for row in timeline.rows] == [2 * 4, 2 * 4]
+    assert ctl.timeline(3).steps == [0, 1]  # the partial step never shows beside complete ones
+    for e in synthetic_step_events(2, 2, 4, t0=52.0):
+        if e["rank"] == 1:
+            ctl.store.add(e)
+    assert ctl.timeline(2).steps == [1, 2]
+
+
 def test_timeline_traces_have_every_kind_and_rows_in_ms(tmp_path: Path) -> None:
     ctl = JobController(tmp_path)
     for e in synthetic_step_events(0, 3, 4, t0=50.0):

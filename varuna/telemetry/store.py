@@ -193,19 +193,25 @@ class EventStore:
         """Spans of the last `last_steps` recorded steps (up to step `until`), one row per rank.
 
         Rows come from the newest launch among those steps only, so after a resize the timeline
-        shows the new shape's rows, not a mix of both.
+        shows the new shape's rows, not a mix of both. A step some rank of that launch has not
+        reported yet (the ranks' spans arrive one by one) gives way to the complete steps before
+        it; with no complete step, the newest steps as they are.
         """
         launch: tuple[Any, Any] | None = None
         with self._lock:
             kept = [s for s in sorted(self._spans) if until is None or s <= until]
             steps = kept[-last_steps:] if last_steps > 0 else []
             if steps:
-                newest = max(self._spans[steps[-1]].values(), key=lambda e: e.get("time", 0.0))
+                newest = max(self._spans[kept[-1]].values(), key=lambda e: e.get("time", 0.0))
                 launch = (newest.get("job"), newest.get("launch"))
-                steps = [
-                    s for s in steps
-                    if any((e.get("job"), e.get("launch")) == launch for e in self._spans[s].values())
-                ]  # fmt: skip
+                reported = {
+                    s: {r for r, e in self._spans[s].items() if (e.get("job"), e.get("launch")) == launch}
+                    for s in kept
+                }
+                ours = [s for s in kept if reported[s]]
+                ranks = set().union(*(reported[s] for s in ours))
+                complete = [s for s in ours if reported[s] == ranks]
+                steps = (complete or ours)[-last_steps:]
             chosen = [(s, dict(self._spans[s])) for s in steps]  # the receiver thread adds ranks
         rows: dict[int, TimelineRow] = {}
         for step, by_rank in chosen:
