@@ -168,7 +168,7 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
         assert strict[r]["split"].startswith("NcclRuleError") and "strict: rule 4" in strict[r]["split"]
 
 
-ONE_CHUNK = ("gpipe", "1f1b", "varuna", "zb-h1")
+ONE_CHUNK = ("gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1")
 TWO_CHUNKS = ("interleaved-1f1b", "zb-v")
 
 
@@ -211,10 +211,10 @@ def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
             folder = tmp_path / "out" / f"{kind}-{pipeline}x{data}-{schedule}"
             result = compare(folder, kind, pipeline * data, data, 3, 1e-5)
             assert result["ok"], (kind, schedule, result)
-    if "varuna" in schedules:  # its pull-ahead ran over these links too (the rules' works report arrivals)
-        pulled = [
+    for eager in {"varuna", "eager-1f1b"} & set(schedules):  # pull-ahead ran over these links too
+        pulled = [  # (the rules' works report arrivals)
             torch.load(f, weights_only=True)["pulled_ahead"]
             for kind in models
-            for f in (tmp_path / "out" / f"{kind}-{pipeline}x{data}-varuna").glob("rank*.pt")
+            for f in (tmp_path / "out" / f"{kind}-{pipeline}x{data}-{eager}").glob("rank*.pt")
         ]
-        assert sum(pulled) > 0, pulled
+        assert sum(pulled) > 0, (eager, pulled)

@@ -127,11 +127,11 @@ def reference(
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1")
 # Two chunks per rank (4 virtual stages from the 4 blocks), each model once at 2x1.
 CHUNK_RUNS = (("gpt2", "zb-v"), ("bert", "interleaved-1f1b"), ("llama", "zb-v"))
-# world size -> the P x D shapes its job trains; model i at shape j uses schedule (i + j) % 3, so
-# every model runs every schedule once.
+# world size -> the P x D shapes its job trains; model i at shape j uses schedule (i + j) % 5, so
+# every schedule trains some model at some shape (each model three of them).
 CONFIGS: dict[int, list[tuple[int, int]]] = {2: [(2, 1)], 4: [(2, 2), (4, 1)]}
 SHAPES = [shape for world in sorted(CONFIGS) for shape in CONFIGS[world]]
 

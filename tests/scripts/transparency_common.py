@@ -14,7 +14,7 @@ from varuna.models import GPT, BertMLM, bert_tiny, gpt_tiny
 STEPS = 5
 GLOBAL_BATCH = 16
 MICRO_BATCH = 2
-SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1")
 MODELS = ("gpt", "bert")
 # world size -> (P, D, partition); 3x1 uses an explicit uneven split of the 4 segments.
 CONFIGS: dict[int, list[tuple[int, int, Any]]] = {

@@ -11,6 +11,7 @@ from varuna.cli import main
 from varuna.planner.costs import CostTable, NetworkCost, SegmentCost
 from varuna.planner.search import Candidate, PlanError, PlanResult, format_bytes, parse_memory, plan, predict
 from varuna.planner.simulator import StageCost, simulate
+from varuna.schedule import SCHEDULES
 
 GiB = 2**30
 
@@ -61,13 +62,16 @@ def test_best_is_first_and_ranked_by_predicted_step() -> None:
 
 def test_schedules_that_run_the_same_actions_are_one_candidate() -> None:
     """At P=1 1F1B, Varuna's schedule and ZB-H1 are all F B per micro-batch: one candidate, under
-    the first name given; GPipe (all forwards first) stays apart, and at P=2 all four differ."""
+    the first name given; GPipe (all forwards first) stays apart, and at P=2 all differ. Varuna's
+    schedule is eager-1f1b recomputing: each setting is listed under the schedule it is its own."""
     result = plan(
         uniform_table(), gpus=2, memory_bytes=64 * GiB, global_batch_size=32, micro_batch_sizes=(2,)
     )
     at = {(c.pipeline, c.schedule, c.recompute) for c in result.ranked}
     assert {(1, "gpipe", False), (1, "1f1b", False)} == {k for k in at if k[0] == 1}
-    assert {"gpipe", "1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v"} == {k[1] for k in at if k[0] == 2}
+    assert set(SCHEDULES) == {k[1] for k in at if k[0] == 2}
+    assert {(2, "eager-1f1b", False), (2, "varuna", True)} <= at
+    assert not {(2, "eager-1f1b", True), (2, "varuna", False)} & at
     # two chunks on one rank would only add hand-offs: ruled out at P=1, with the reason
     assert {r.schedule for r in result.rejected if r.pipeline == 1} == {"interleaved-1f1b", "zb-v"}
     flipped = plan(uniform_table(), gpus=2, memory_bytes=64 * GiB, global_batch_size=32,

@@ -78,7 +78,7 @@ def test_action_round_trips_every_kind(kind: str) -> None:
 def test_kinds() -> None:
     assert KINDS == ("F", "B", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "W")
     assert COMPUTE_KINDS + COMM_KINDS + ("ALLREDUCE", WEIGHT_KIND) == KINDS
-    assert tuple(SCHEDULES) == ("gpipe", "1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v")
+    assert tuple(SCHEDULES) == ("gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v")
 
 
 def test_the_registry_holds_each_schedules_behaviour() -> None:
@@ -86,13 +86,14 @@ def test_the_registry_holds_each_schedules_behaviour() -> None:
     from varuna.schedule import ScheduleSpec, build_schedule, schedule_spec
 
     assert schedule_spec("varuna").recompute and schedule_spec("varuna").pull_ahead
+    assert schedule_spec("eager-1f1b").pull_ahead and not schedule_spec("eager-1f1b").recompute
     assert not schedule_spec("1f1b").recompute and not schedule_spec("gpipe").pull_ahead
     assert [n for n, s in SCHEDULES.items() if s.chunks_per_rank > 1] == ["interleaved-1f1b", "zb-v"]
     # zb-h1 and zb-v place W themselves; interleaved's drain gains less than the split costs
     assert [n for n, s in SCHEDULES.items() if not s.split_backward] == ["zb-h1", "interleaved-1f1b", "zb-v"]
     with pytest.raises(
         ScheduleError,
-        match=r"unknown schedule 'zb'; choose one of 'gpipe', '1f1b', 'varuna', 'zb-h1', 'inter",
+        match=r"unknown schedule 'zb'; choose one of 'gpipe', '1f1b', 'eager-1f1b', 'varuna', 'zb-h1', 'inter",
     ):
         schedule_spec("zb")
 
@@ -224,7 +225,10 @@ def test_varuna_without_recompute_is_1f1b() -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("pipedream", 2, 4), r"unknown schedule 'pipedream'; choose one of 'gpipe', '1f1b', 'varuna'"),
+        (
+            ("pipedream", 2, 4),
+            r"unknown schedule 'pipedream'; choose one of 'gpipe', '1f1b', 'eager-1f1b', 'varuna'",
+        ),
         (("1f1b", 0, 4), r"num_stages must be at least 1 \(given 0\)"),
         (("gpipe", -2, 4), r"num_stages must be at least 1 \(given -2\)"),
         (("varuna", 2, 0), r"num_microbatches must be at least 1 \(given 0\)"),

@@ -6,6 +6,7 @@ import pytest
 
 from varuna.errors import ScheduleError
 from varuna.planner.simulator import Sharing, Span, StageCost, simulate
+from varuna.schedule import pull_ahead_room
 
 U = StageCost(forward_s=1.0, backward_s=2.0)
 
@@ -145,13 +146,32 @@ def test_pull_ahead_waits_for_the_forward_input() -> None:
 
 
 def test_pull_ahead_on_uniform_stages_keeps_the_step_but_holds_more() -> None:
-    t = simulate("varuna", 3, 4, [U] * 3, recompute=False)
+    t = simulate("eager-1f1b", 3, 4, [U] * 3)
     assert t.step_s == simulate("1f1b", 3, 4, [U] * 3).step_s == 18.0
-    # a value arriving exactly when a stage looks counts as there, so stage 1 pulls F2 and F3 ahead
+    # a value arriving exactly when a stage looks counts as there, so stage 1 pulls F2 ahead; F3
+    # would hold a fourth micro-batch, one more than pull_ahead_room(1, 3) = 1F1B's 2 plus one
     assert [f"{sp.kind}{sp.microbatch}" for sp in t.spans[1] if sp.kind in "FB"][:5] == [
-        "F0", "F1", "F2", "F3", "B0",
+        "F0", "F1", "F2", "B0", "F3",
     ]  # fmt: skip
-    assert t.peak_inflight == [4, 4, 1]
+    assert t.peak_inflight == [4, 3, 1]
+
+
+def test_pull_ahead_holds_at_most_one_micro_batch_more_than_1f1b() -> None:
+    # gloo: stage 0 never sees a gradient there, so it pulls whenever it may: with activations held
+    # (eager-1f1b) one micro-batch ahead of 1F1B; recomputing (Varuna's) holds only inputs: every one
+    blind = {"sees_arrivals": False}
+    eager = simulate("eager-1f1b", 2, 8, [U] * 2, **blind)  # type: ignore[arg-type]
+    assert [f"{sp.kind}{sp.microbatch}" for sp in eager.spans[0] if sp.kind in "FB"][:6] == [
+        "F0", "F1", "F2", "B0", "F3", "B1",
+    ]  # fmt: skip
+    assert eager.peak_inflight == [pull_ahead_room(0, 2), 1] == [3, 1]
+    assert simulate("1f1b", 2, 8, [U] * 2, **blind).peak_inflight == [2, 1]  # type: ignore[arg-type]
+    varuna = simulate("varuna", 2, 8, [U] * 2, **blind)  # type: ignore[arg-type]
+    assert [sp.kind for sp in varuna.spans[0] if sp.kind == "F" or sp.kind == "B"][:9] == ["F"] * 8 + ["B"]
+    # the same bound where it decides by arrivals: a slow last stage makes every gradient late
+    slow = StageCost(forward_s=1.0, backward_s=6.0)
+    late = simulate("eager-1f1b", 3, 8, [U, U, slow])
+    assert late.peak_inflight[:2] == [4, 3] and late.step_s <= simulate("1f1b", 3, 8, [U, U, slow]).step_s
 
 
 def test_a_stage_that_decides_to_wait_stays_waiting() -> None:

@@ -32,8 +32,8 @@ cancels that; `paired.varuna_over_torch_pipelining` gives the median pair ratio 
 Varuna step: above 1, Varuna is faster) with a 90% bootstrap interval. At the smallest P (the
 comparison the targets are about) the one-process baseline runs in the same rounds (on rank 0,
 the other ranks waiting), so each pipeline's share of its ideal is measured against the host as
-it was at that time (`paired.of_bubble_ideal`). Varuna's own schedule, which torch.pipelining
-lacks, runs after the paired ones in the same job, unpaired.
+it was at that time (`paired.of_bubble_ideal`). The schedules torch.pipelining lacks (eager-1F1B,
+Varuna's own) run in the same job, unpaired.
 
 After each schedule's timed steps every system runs one more, untimed, in which each rank measures
 how far its resident memory rises above where the step began (`step_peak_bytes_per_stage`: the
@@ -79,7 +79,7 @@ __all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "compute_c
 
 _ROOT = Path(__file__).resolve().parents[2]
 _WORKER = "varuna.bench._pipeline_worker"
-VARUNA_SCHEDULES = ("gpipe", "1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v")
+VARUNA_SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v")
 TORCH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 
 

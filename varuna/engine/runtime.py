@@ -12,9 +12,10 @@
               (`varuna.engine.backward`), so SEND_B sent it before the weights were done
     ALLREDUCE start the data-parallel and tied-weight gradient reductions
 
-With `opportunistic=True` (Varuna's schedule) the loop pulls the next forward ahead whenever it
-is about to wait for a gradient that has not arrived and that forward's input is already here,
-so a stage fills its own bubble instead of idling.
+With `opportunistic=True` (Varuna's and eager-1F1B's schedules) the loop pulls the next forward
+ahead whenever it is about to wait for a gradient that has not arrived, that forward's input is
+already here and the stage has room for its activations (`pull_ahead_room`: 1F1B's most plus
+one), so a stage fills its own bubble instead of idling.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from varuna.cut.standin import cross_stage_error, origin_of, stand_in_context
 from varuna.engine.backward import WeightGrads, input_grads_first
 from varuna.engine.chunks import guard_chunks
 from varuna.errors import PartitionError
-from varuna.schedule import WEIGHT_KIND, Action, Span
+from varuna.schedule import WEIGHT_KIND, Action, Span, pull_ahead_room
 
 __all__ = ["StageRuntime", "Chunk", "StepTimes", "Span", "Observer"]
 
@@ -197,6 +198,7 @@ class StageRuntime:
         self.device = device
         self.autocast = autocast
         self.opportunistic = opportunistic
+        self.num_stages = num_stages
         self.where = where
         self.observer: Observer = _Unobserved()
         """Told of each step and each send; the engine sets its telemetry here."""
@@ -321,11 +323,14 @@ class StageRuntime:
             link.close()
 
     def _forward_ready(self, queue: list[Action]) -> list[Action]:
-        """The next forward's actions, if its input is here; else nothing."""
+        """The next forward's actions, if its input is here and its chunk has room for its
+        activations; else nothing."""
         for i, a in enumerate(queue):
             if a.kind == "F":
                 m = a.microbatch
                 c = self.chunks[a.stage]
+                if len(c.outputs) >= pull_ahead_room(a.stage, self.num_stages):
+                    return []
                 if not c.first and not c.up.activation_ready(m or 0):
                     return []
                 group = [a]

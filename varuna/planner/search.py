@@ -149,27 +149,28 @@ def plan(
             shape = _Shape(table, pipeline, data, mbs, cluster)
             microbatches = global_batch_size // (data * mbs)
             seen: set[tuple[Any, ...]] = set()
-            for schedule in schedules:
+            for schedule, recompute in _pairs(schedules, recompute_options, pipeline):
                 misfit = (
                     chunked_misfit(table, schedule, pipeline, global_batch_size // (data * mbs))
                     if schedule_spec(schedule).chunks_per_rank > 1
                     else None
                 )
                 if misfit is not None:
-                    rejected.append(
-                        Rejected(
-                            pipeline=pipeline, data=data, micro_batch_size=mbs, schedule=schedule,
-                            kind="stages", reason=misfit,
-                        )
-                    )  # fmt: skip
+                    if not any(r.schedule == schedule and r.micro_batch_size == mbs and r.pipeline == pipeline
+                               for r in rejected):  # fmt: skip
+                        rejected.append(
+                            Rejected(
+                                pipeline=pipeline, data=data, micro_batch_size=mbs, schedule=schedule,
+                                kind="stages", reason=misfit,
+                            )
+                        )  # fmt: skip
                     continue
-                for recompute in dict.fromkeys(bool(r) and pipeline > 1 for r in recompute_options):
-                    same = _runs_as(schedule, pipeline, microbatches, recompute)
-                    if same in seen:
-                        continue
-                    seen.add(same)
-                    found = _try(shape, schedule, recompute, global_batch_size, memory_bytes, fast)
-                    (ranked if isinstance(found, Candidate) else rejected).append(found)  # type: ignore[arg-type]
+                same = _runs_as(schedule, pipeline, microbatches, recompute)
+                if same in seen:
+                    continue
+                seen.add(same)
+                found = _try(shape, schedule, recompute, global_batch_size, memory_bytes, fast)
+                (ranked if isinstance(found, Candidate) else rejected).append(found)  # type: ignore[arg-type]
     ranked.sort(key=lambda c: (c.predicted_step_s, c.max_memory_bytes, c.pipeline, -c.micro_batch_size))
     if not ranked:
         raise PlanError(_nothing_fits(rejected, gpus, memory_bytes, global_batch_size, table, cluster))
@@ -262,6 +263,18 @@ def predict(
         table, pipeline, data, micro_batch_size, schedule, recompute and pipeline > 1, global_batch_size,
         boundaries, split_backward,
     )  # fmt: skip
+
+
+def _pairs(
+    schedules: Sequence[ScheduleName], recompute_options: Sequence[bool], pipeline: int
+) -> list[tuple[ScheduleName, bool]]:
+    """Each schedule with each recompute setting (moot at P = 1), the schedules' own settings
+    first: where two run the same actions (eager-1f1b recomputing is Varuna's schedule), the
+    candidate takes the name of the one that recomputes, or not, by itself; else the first given."""
+    pairs = [
+        (s, r) for s in schedules for r in dict.fromkeys(bool(r) and pipeline > 1 for r in recompute_options)
+    ]
+    return sorted(pairs, key=lambda sr: sr[1] != (schedule_spec(sr[0]).recompute and pipeline > 1))
 
 
 @lru_cache(maxsize=256)

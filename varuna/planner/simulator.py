@@ -37,12 +37,11 @@ and sent values can arrive later; the simulation then repeats until the duration
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from varuna.errors import ScheduleError
 from varuna.planner.fast import StageQueue, run_in_order
 from varuna.planner.sharing import Sharing, _Delays, _shared_updates, _stretch_all
+from varuna.planner.timeline import StageCost, Timeline
 from varuna.schedule import (
     WEIGHT_KIND,
     WORK_KINDS,
@@ -52,6 +51,7 @@ from varuna.schedule import (
     Span,
     build_schedule,
     last_stage,
+    pull_ahead_room,
     releasing,
     schedule_spec,
     several_chunks,
@@ -62,92 +62,6 @@ __all__ = ["StageCost", "Sharing", "Span", "Timeline", "simulate", "simulate_low
 _MAX_PASSES = 60
 _MESSAGE_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "DELAY_F", "DELAY_B")
 _SETTLED = 1e-6  # relative change of every duration that ends the passes
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageCost:
-    """Seconds one stage spends on one micro-batch (uniform over micro-batches)."""
-
-    forward_s: float
-    """Forward pass."""
-    backward_s: float
-    """Backward pass."""
-    recompute_s: float | None = None
-    """Recomputed forward before the backward; None means `forward_s`."""
-    input_share: float = 0.6
-    """A split backward's input half (B before its W), as a share of `backward_s`."""
-    weight_share: float = 0.47
-    """A split backward's weight half (W), as a share of `backward_s`. The two shares add up to a
-    little more than 1: splitting costs a second pass over part of the graph. Both measured on
-    the bench GPT's stages on CPU (input 0.59-0.60, weight 0.45-0.48)."""
-
-    def seconds(self, kind: str, *, split: bool = False) -> float:
-        """The cost of a compute action of `kind` ("F", "B", "R" or "W"); `split`: a B whose
-        weight half runs later as W."""
-        if kind == "F":
-            return self.forward_s
-        if kind == "B":
-            return self.backward_s * (self.input_share if split else 1.0)
-        if kind == WEIGHT_KIND:
-            return self.backward_s * self.weight_share
-        return self.forward_s if self.recompute_s is None else self.recompute_s
-
-
-@dataclass(kw_only=True, slots=True)
-class Timeline:
-    """A predicted step: what each stage does when, and where the time goes."""
-
-    schedule: str
-    """Schedule name ("gpipe", "1f1b", "varuna" or "custom")."""
-    num_microbatches: int
-    """Micro-batches per replica in the step."""
-    spans: list[list[Span]]
-    """Per stage, every executed action in execution order (sends as zero-length spans)."""
-    step_s: float
-    """Predicted step time: last stage's all-reduce end plus the final small all-reduce."""
-    busy_s: list[float]
-    """Per stage, seconds of compute (F, B, R)."""
-    allreduce_s: list[float]
-    """Per stage, seconds of its gradient all-reduce."""
-    idle_s: list[float]
-    """Per stage, the rest of the step: waiting for activations, gradients, other stages."""
-    bubble_fraction: float
-    """1 - total compute / (P x step_s)."""
-    peak_inflight: list[int] = field(default_factory=list)
-    """Per stage, the most micro-batches forwarded and not yet backwarded (for a split backward:
-    not yet through its W) at once."""
-    update_s: list[float] = field(default_factory=list)
-    """Per stage, seconds of its parameter update after the final all-reduce (with shared cores)."""
-
-    @property
-    def num_stages(self) -> int:
-        """Pipeline depth P."""
-        return len(self.spans)
-
-    def to_events(self, *, include_comm: bool = True) -> list[dict[str, Any]]:
-        """The spans as plain dicts, for drawing the prediction over a measured timeline.
-
-        One dict per action, ordered by stage then time:
-        `{"stage": 1, "kind": "F", "microbatch": 0, "start": 0.5, "end": 1.5, "predicted": True}`.
-        `kind` is the action kind (F, B, R, SEND_F, RECV_F, SEND_B, RECV_B, ALLREDUCE), as in the
-        runtime's measured spans; times are seconds from the start of the step (align them with a
-        measured step's start); `microbatch` is None for ALLREDUCE. `include_comm=False` keeps only
-        compute and all-reduce spans.
-        """
-        return [
-            {
-                "stage": s,
-                "kind": sp.kind,
-                "microbatch": sp.microbatch,
-                "start": sp.start,
-                "end": sp.end,
-                "predicted": True,
-                **({"vstage": sp.stage} if sp.stage is not None else {}),
-            }
-            for s, spans in enumerate(self.spans)
-            for sp in spans
-            if include_comm or sp.kind in WORK_KINDS or sp.kind == "ALLREDUCE"
-        ]
 
 
 def _per_stage(values: Sequence[float] | None, n: int, what: str) -> list[float]:
@@ -390,6 +304,9 @@ class _Simulation:
         }
         self.chunked = several_chunks(schedule)
         """Several chunks per rank: spans name their virtual stage."""
+        self.virtual = last_stage(schedule) + 1
+        self.held = [0] * self.virtual  # micro-batches whose activations each virtual stage holds
+        self.recomputes = {a.stage for actions in schedule.values() for a in actions if a.kind == "R"}
 
     def work(self, v: int, kind: str, m: int) -> float:
         """Lone-compute seconds of (virtual) stage v's action `kind` on micro-batch m."""
@@ -439,6 +356,8 @@ class _Simulation:
         if after is not None and queue.actions[after].kind == "SEND_F":
             group.append(after)
         first = queue.actions[i]
+        if self.held[first.stage] >= pull_ahead_room(first.stage, self.virtual):
+            return "no", []
         ready = "yes" if first.stage == 0 else self._state("F", first.stage, first.microbatch or 0, t)
         return ready, group
 
@@ -476,6 +395,8 @@ class _Simulation:
         end = t
         if a.kind in WORK_KINDS:
             end = t + self.durations.get((v, a.kind, m), self.work(v, a.kind, m))
+            held = a.kind == "R" or (a.kind == "F" and v not in self.recomputes)  # as the runtime's outputs
+            self.held[v] += 1 if held else -(a.kind == "B")
         elif a.kind == "ALLREDUCE":
             end = t + self.allreduce[s]
         elif a.kind in ("RECV_F", "RECV_B"):

@@ -13,7 +13,9 @@ gives the compute order; passes rewrite it (`add_recompute`, `add_communication`
 
     make_schedule("1f1b", 3, 4)[0]  ->  0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
 
-Varuna's schedule is that order with just-in-time recompute (`R` right before the backward).
+Varuna's schedule is that order with just-in-time recompute (`R` right before the backward) and
+forwards pulled ahead while a gradient is late; eager-1F1B pulls them ahead without recomputing
+(one micro-batch's activations more than 1F1B at most: `pull_ahead_room`).
 
 Where things are: `actions` (Action, kinds), `orders` (each schedule's order function and the
 `SCHEDULES` registry), `passes` (recompute, communication, all-reduce, split backward, lowering),
@@ -36,7 +38,14 @@ from varuna.schedule.actions import (
 )
 from varuna.schedule.build import build_schedule, make_schedule
 from varuna.schedule.check import validate
-from varuna.schedule.orders import SCHEDULES, ScheduleName, ScheduleSpec, bubble_fraction, schedule_spec
+from varuna.schedule.orders import (
+    SCHEDULES,
+    ScheduleName,
+    ScheduleSpec,
+    bubble_fraction,
+    pull_ahead_room,
+    schedule_spec,
+)
 from varuna.schedule.passes import (
     add_allreduce,
     add_communication,
@@ -76,4 +85,5 @@ __all__ = [
     "validate",
     "format_grid",
     "bubble_fraction",
+    "pull_ahead_room",
 ]

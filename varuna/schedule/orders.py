@@ -18,9 +18,16 @@ from varuna.schedule.chunked import (
     zb_v_order,
 )
 
-__all__ = ["ScheduleSpec", "SCHEDULES", "ScheduleName", "schedule_spec", "bubble_fraction"]
+__all__ = [
+    "ScheduleSpec",
+    "SCHEDULES",
+    "ScheduleName",
+    "schedule_spec",
+    "bubble_fraction",
+    "pull_ahead_room",
+]
 
-ScheduleName = Literal["gpipe", "1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v"]
+ScheduleName = Literal["gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v"]
 
 
 def _gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -62,6 +69,13 @@ def _zb_h1(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     return actions
 
 
+def pull_ahead_room(stage: int, num_stages: int) -> int:
+    """How many micro-batches' activations stage `stage` of `num_stages` may hold when it pulls a
+    forward ahead (`ScheduleSpec.pull_ahead`): 1F1B's most, num_stages - stage, plus one. A stage
+    that recomputes holds none from its forward to its recompute, so this never stops its pulls."""
+    return num_stages - stage + 1
+
+
 def _bubble_1f1b(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
@@ -85,7 +99,8 @@ class ScheduleSpec:
     recompute: bool = False
     """Non-last stages recompute each micro-batch just before its backward (`recompute=None`)."""
     pull_ahead: bool = False
-    """The runtime (and the simulator) pulls the next forward ahead while a gradient is late."""
+    """The runtime (and the simulator) pulls the next forward ahead while a gradient is late, as long
+    as the stage then holds no more activations than `pull_ahead_room` allows."""
     split_backward: bool = True
     """Stages after the first may compute their first and last backward in two halves (B, then W;
     `varuna.schedule.split_backwards`); the engine's `split_backward` option turns it off. False for a
@@ -121,6 +136,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec(order=_gpipe, about="all forwards, then all backwards"),
     "1f1b": ScheduleSpec(
         order=_one_f_one_b, about="one forward, one backward: at most P micro-batches in flight"
+    ),
+    "eager-1f1b": ScheduleSpec(
+        order=_one_f_one_b,
+        pull_ahead=True,
+        about="1F1B that runs its next forward while a gradient is late: one micro-batch more than 1F1B held",
     ),
     "varuna": ScheduleSpec(
         order=_one_f_one_b,
@@ -164,11 +184,12 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 def bubble_fraction(name: ScheduleName, num_stages: int, num_microbatches: int) -> float:
-    """Theoretical idle fraction of a step (`ScheduleSpec.bubble`): (P-1)/(M+P-1) for gpipe, 1f1b and
-    varuna; for zb-h1 (P-1)/(3M+P-1) once M >= P-1.
+    """Theoretical idle fraction of a step (`ScheduleSpec.bubble`): (P-1)/(M+P-1) for gpipe, 1f1b,
+    eager-1f1b and varuna; for zb-h1 (P-1)/(3M+P-1) once M >= P-1.
 
     Assumes uniform stage costs, zero communication and F = B = W: each stage works M*(f+b) in a step
-    of (M+P-1)*(f+b) under 1F1B. GPipe, 1F1B and Varuna's differ in memory, not in this bubble;
+    of (M+P-1)*(f+b) under 1F1B. GPipe, 1F1B, eager-1F1B and Varuna's differ in memory, not in this
+    bubble (eager-1F1B's pulls fill waits that uneven stages and late messages make);
     recompute's extra forward is left out (the planner's simulator times it).
     """
     spec = schedule_spec(name)
