@@ -91,3 +91,41 @@ def test_a_w_right_after_its_b_wins_where_it_is_shorter() -> None:
     from varuna.schedule.chunked import zb_v_bubble
 
     assert zb_v_bubble(4, 8) == pytest.approx(1 / 17)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_papers_fixed_order_is_a_candidate_and_never_beaten_by_the_choice(p: int) -> None:
+    """The paper's ZB-V order (M >= 2P - 1) is valid, holds at most 2P chunk-activations, idles 1/49
+    of a unit-cost step at P = 2, M = 8, and the fitted order is never longer than it on the same
+    costs."""
+    from varuna.schedule import lower, validate
+    from varuna.schedule.chunked import _best_timed, _paper_order, _span
+
+    unit = ((1.0, 1.0, 1.0),) * (2 * p)
+    for m in (2 * p - 1, 2 * p, 8):
+        paper = [_paper_order(r, p, m) for r in range(p)]
+        validate(lower(dict(enumerate(paper))), p, m, chunks=2, placement="v")
+        assert _span(paper, unit) is not None
+        for actions in paper:  # 1F1B's peak: at most 2P chunk-activations held
+            held = peak = 0
+            for a in actions:
+                held += (
+                    1
+                    if a.kind == "F"
+                    else -1
+                    if a.kind == WEIGHT_KIND or (a.kind, a.stage) == ("B", 0)
+                    else 0
+                )
+                peak = max(peak, held)
+            assert held == 0 and peak <= 2 * p
+    assert _span([_paper_order(r, 2, 8) for r in range(2)], ((1.0, 1.0, 1.0),) * 4) == 49.0
+    rng = random.Random(p)
+    for _ in range(5):
+        costs = tuple(_triples(_costs([rng.uniform(0.3, 1.7) for _ in range(2 * p)])))
+        best = _best_timed(p, 8, costs)
+        assert best is not None
+        paper_span = _span([_paper_order(r, p, 8) for r in range(p)], costs)
+        assert paper_span is not None and _span(best, costs) <= paper_span
+    # the bench GPT's chunks at [4, 10, 13]: the paper's order is the shortest there
+    bench = tuple(_triples(_costs([0.069, 0.080, 0.042, 0.064])))
+    assert _best_timed(2, 8, bench) == [_paper_order(r, 2, 8) for r in range(2)]

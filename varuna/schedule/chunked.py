@@ -98,9 +98,10 @@ def zb_v_order(
     than 2P chunk-activations (1F1B's peak on the first rank), else a W (nobody waits for it); or,
     the second priority, a ready W before that F (a W right after its B, as in ZB-V's steady state:
     the W's do not pile up at the end). The shorter timeline of the two wins (with `costs`, of each
-    activation reserve too): at P = 4, M = 8 the W-first order idles 5.9% of a unit-cost step, the
-    F-first one 7.7%; with the bench GPT's chunks cut at [4, 10, 13] the simulator times the fitted
-    order 1.100 s instead of 1.111 s. Without `costs` every action costs one tick and communication is free; the timeline is a
+    activation reserve too, and of the paper's fixed order timed on them, `_paper_order`): at P = 4,
+    M = 8 the W-first order idles 5.9% of a unit-cost step, the F-first one 7.7%; with the bench
+    GPT's chunks cut at [4, 10, 13] the simulator times the list orders 1.100 s and 1.111 s and the
+    paper's 1.088 s, which is then taken. Without `costs` every action costs one tick and communication is free; the timeline is a
     witness that the lists cannot deadlock, and `validate` checks them again. With `costs` (per
     virtual stage: the seconds of F, of the input half B and of W) the same rules run on those times:
     where the chunks differ (a light embedding chunk beside the head's, both on rank 0) the
@@ -152,14 +153,82 @@ def _checked(costs: Sequence[Costs], n: int) -> tuple[Costs, ...]:
 def _best_timed(p: int, m: int, costs: tuple[Costs, ...]) -> list[list[Action]] | None:
     """The shortest of the timed orders that keep `reserve` = 0..P of a rank's 2P activation slots
     for its deeper chunk (a first chunk filling them all can starve the deep one: no order), with a
-    ready W after or before the next F."""
+    ready W after or before the next F, and of the paper's fixed order timed on the same costs."""
     found = [
         _timed_list_schedule(p, m, 2 * p, costs, reserve, w_first)
         for w_first in (False, True)
         for reserve in range(p + 1)
     ]
+    if m >= 2 * p - 1:
+        fixed = [_paper_order(r, p, m) for r in range(p)]
+        span = _span(fixed, costs)
+        found.append(None if span is None else (fixed, span))
     done = [f for f in found if f is not None]
     return min(done, key=lambda f: f[1])[0] if done else None
+
+
+def _paper_order(r: int, p: int, m: int) -> list[Action]:
+    """ZB-V's fixed order for rank r as the paper draws it (M >= 2P - 1), with the rank's shallow
+    chunk a = r and deep chunk d = 2P - 1 - r: warm-up 2(P - r) - 1 forwards of a, then r pairs
+    F d, F a, then P - r rounds F d, B d, W d; the steady state repeats F a (while any is left),
+    B a, W a, F d, B d, W d; the cool-down r pairs B a, B d, then P - r pairs B a, W a, then the
+    W's left, d's first. W's of virtual stage 0 stay in its B."""
+    a, d = r, 2 * p - 1 - r
+    out: list[Action] = []
+    count = {("F", a): 0, ("F", d): 0, ("B", a): 0, ("B", d): 0, ("W", a): 0, ("W", d): 0}
+
+    def add(kind: str, v: int) -> None:
+        out.append(Action(v, kind, count[(kind, v)]))
+        count[(kind, v)] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        add("F", a)
+    for _ in range(r):
+        add("F", d), add("F", a)
+    for _ in range(p - r):
+        add("F", d), add("B", d), add("W", d)
+    while count[("F", a)] < m or count[("F", d)] < count[("F", a)]:
+        if count[("F", a)] < m:
+            add("F", a)
+        add("B", a), add("W", a), add("F", d), add("B", d), add("W", d)
+    for _ in range(r):
+        add("B", a), add("B", d)
+    for _ in range(p - r):
+        add("B", a), add("W", a)
+    for v in (d, a):
+        while count[("W", v)] < count[("B", v)]:
+            add("W", v)
+    return [x for x in out if not (x.kind == WEIGHT_KIND and x.stage == 0)]
+
+
+def _span(lists: list[list[Action]], costs: tuple[Costs, ...]) -> float | None:
+    """How long the ranks take to run the given lists in order on `costs` (free messages, as
+    `_timed_list_schedule` times them); None if they deadlock."""
+    n = len(costs)
+    done_at: dict[tuple[str, int, int], float] = {}
+    heads, free_at = [0] * len(lists), [0.0] * len(lists)
+    moved = True
+    while moved:
+        moved = False
+        for r, actions in enumerate(lists):
+            while heads[r] < len(actions):
+                a = actions[heads[r]]
+                v, mb = a.stage, a.microbatch
+                assert mb is not None
+                needs = [("F", v - 1, mb)] if a.kind == "F" and v > 0 else []
+                if a.kind == "B":
+                    needs = [("F", v, mb)] + ([("B", v + 1, mb)] if v < n - 1 else [])
+                elif a.kind == WEIGHT_KIND:
+                    needs = [("B", v, mb)]
+                if any(k not in done_at for k in needs):
+                    break
+                f, b, w = costs[v]
+                cost = f if a.kind == "F" else (b + w if v == 0 else b) if a.kind == "B" else w
+                start = max([free_at[r], *(done_at[k] for k in needs)])
+                done_at[(a.kind, v, mb)] = free_at[r] = start + cost
+                heads[r] += 1
+                moved = True
+    return max(free_at) if all(h == len(x) for h, x in zip(heads, lists)) else None
 
 
 def _timed_list_schedule(
