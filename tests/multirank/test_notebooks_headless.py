@@ -62,9 +62,9 @@ def test_quickstart_runs_headless(tmp_path: Path) -> None:
 def test_bubbles_runs_headless(tmp_path: Path) -> None:
     nb = execute("bubbles.ipynb", tmp_path, timeout=300)
     text = stream_text(nb)
-    for schedule in ("gpipe", "1f1b", "varuna"):
+    for schedule in ("gpipe", "1f1b", "eager-1f1b", "varuna"):
         assert f"{schedule}: finished" in text
-        assert any(line.startswith(f"{schedule:7s} measured") for line in text.splitlines())
+        assert any(line.startswith(f"{schedule:10s} measured") for line in text.splitlines())
 
 
 @pytest.mark.timeout(400)
