@@ -24,7 +24,7 @@ from varuna.checkpoint.config import CheckpointConfig
 from varuna.elastic.config import ElasticConfig
 from varuna.errors import ConfigError
 from varuna.planner.config import PlannerConfig
-from varuna.schedule import SCHEDULES, schedule_spec
+from varuna.schedule import SCHEDULES, ScheduleName, schedule_spec
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """The precisions an engine trains in (`varuna.engine.precision` applies them)."""
@@ -50,7 +50,7 @@ class EngineConfig:
     """Samples per optimizer step over all replicas; stays fixed when P x D changes."""
     micro_batch_size: int
     """Samples per micro-batch; each replica runs global_batch_size / (data * micro_batch_size) of them."""
-    schedule: Literal["gpipe", "1f1b", "varuna"] = "1f1b"
+    schedule: ScheduleName = "1f1b"
     """Order of forward/backward work on each stage (see varuna.schedule)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32, or autocast to bf16 or fp16 (fp16 adds a loss scaler agreed over all ranks)."""

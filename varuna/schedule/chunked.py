@@ -177,27 +177,28 @@ def _paper_order(r: int, p: int, m: int) -> list[Action]:
     out: list[Action] = []
     count = {("F", a): 0, ("F", d): 0, ("B", a): 0, ("B", d): 0, ("W", a): 0, ("W", d): 0}
 
-    def add(kind: str, v: int) -> None:
-        out.append(Action(v, kind, count[(kind, v)]))
-        count[(kind, v)] += 1
+    def add(*steps: tuple[str, int]) -> None:
+        for kind, v in steps:
+            out.append(Action(v, kind, count[(kind, v)]))
+            count[(kind, v)] += 1
 
     for _ in range(2 * (p - r) - 1):
-        add("F", a)
+        add(("F", a))
     for _ in range(r):
-        add("F", d), add("F", a)
+        add(("F", d), ("F", a))
     for _ in range(p - r):
-        add("F", d), add("B", d), add("W", d)
+        add(("F", d), ("B", d), ("W", d))
     while count[("F", a)] < m or count[("F", d)] < count[("F", a)]:
         if count[("F", a)] < m:
-            add("F", a)
-        add("B", a), add("W", a), add("F", d), add("B", d), add("W", d)
+            add(("F", a))
+        add(("B", a), ("W", a), ("F", d), ("B", d), ("W", d))
     for _ in range(r):
-        add("B", a), add("B", d)
+        add(("B", a), ("B", d))
     for _ in range(p - r):
-        add("B", a), add("W", a)
+        add(("B", a), ("W", a))
     for v in (d, a):
         while count[("W", v)] < count[("B", v)]:
-            add("W", v)
+            add(("W", v))
     return [x for x in out if not (x.kind == WEIGHT_KIND and x.stage == 0)]
 
 
