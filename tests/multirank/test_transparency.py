@@ -127,6 +127,13 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
         every = not schedule_spec(schedule).split_backward
         split = r["microbatches"] if every else min(r["microbatches"], 2)
         assert r["split"] == (0 if r["stage"] == 0 else split), r["stage"]
+    if schedule in ("1f1b", "eager-1f1b"):  # activations held: 1F1B's P - s; eager-1F1B one more at most,
+        # and its first stage, which never sees a gradient there before it waits (gloo), takes it
+        M = results[0]["microbatches"]
+        held = {r["stage"]: r["peak_held"] for r in results}
+        most = {s: min(M, P - s + (schedule == "eager-1f1b")) for s in held}
+        assert all(held[s] <= most[s] for s in held), (held, most)
+        assert held[0] == (most[0] if P > 1 else 1), held  # one stage: nothing to wait for
 
 
 CHUNK_CASES = [
