@@ -11,8 +11,9 @@ from varuna.errors import ConfigError, LaunchError
 BENCHES = {
     "pipeline": (
         "Varuna's schedules vs torch.distributed.pipelining and one process",
-        "Throughput of Varuna (gpipe, 1f1b, varuna) and torch.distributed.pipelining (GPipe, 1F1B) at "
-        "P = 2 and 4 against one process, on the same GPT, weights and batches.",
+        "Throughput of Varuna's schedules (gpipe, 1f1b, eager-1f1b, varuna, zb-h1, interleaved-1f1b, zb-v) "
+        "and torch.distributed.pipelining's (GPipe, 1F1B, ZB1P, interleaved 1F1B, ZB-V, paired step by step "
+        "at the same cuts) at P = 2 and 4 against one process, on the same GPT, weights and batches.",
         "tiny model, few steps: a smoke run of every path",
     ),
     "morph": (
