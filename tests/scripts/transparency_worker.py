@@ -30,7 +30,7 @@ from transparency_common import (  # noqa: E402
 
 from varuna import Varuna  # noqa: E402
 from varuna.data import collate  # noqa: E402
-from varuna.schedule import releasing  # noqa: E402
+from varuna.schedule import peak_inflight  # noqa: E402
 
 out, world = Path(sys.argv[1]), int(sys.argv[2])
 
@@ -47,17 +47,6 @@ def engine_for(kind: str, P: int, D: int, **kw: object) -> tuple[Varuna, object]
         **kw,  # type: ignore[arg-type]
     )
     return engine, data
-
-
-def peak_held(spans: list) -> int:
-    """The most micro-batches whose activations the rank held at once in its last step: from each
-    forward to the end of its backward (of its W, where split), as the spans show it."""
-    frees = releasing(spans)
-    held = peak = 0
-    for sp in spans:
-        held += (sp.kind == "F") - ((sp.kind, sp.microbatch, sp.stage) in frees)
-        peak = max(peak, held)
-    return peak
 
 
 runs = [(P, D, part, kind, s) for P, D, part in CONFIGS[world] for kind in MODELS for s in SCHEDULES]
@@ -85,7 +74,7 @@ for P, D, partition, kind, schedule in runs:
             "stage": engine.stage,
             "chunk_stages": engine.chunk_stages,
             "split": engine.last_times.split if engine.last_times is not None else 0,
-            "peak_held": peak_held(engine.last_times.spans) if engine.last_times is not None else 0,
+            "peak_held": peak_inflight(engine.last_times.spans) if engine.last_times is not None else 0,
             "microbatches": engine.config.num_microbatches,
         },
         tag / f"rank{engine.rank}.pt",

@@ -51,8 +51,8 @@ from varuna.schedule import (
     Span,
     build_schedule,
     last_stage,
+    peak_inflight,
     pull_ahead_room,
-    releasing,
     schedule_spec,
     several_chunks,
 )
@@ -246,18 +246,9 @@ def _timeline(
         allreduce_s=reduce,
         idle_s=[step - b - r for b, r in zip(busy, reduce)],
         bubble_fraction=1.0 - sum(busy) / (num_stages * step) if step > 0 else 0.0,
-        peak_inflight=[_peak_inflight(spans) for spans in spans_of],
+        peak_inflight=[peak_inflight(spans) for spans in spans_of],
         update_s=update_end,
     )
-
-
-def _peak_inflight(spans: list[Span]) -> int:
-    frees = releasing(spans)
-    held = peak = 0
-    for sp in spans:
-        held += (sp.kind == "F") - ((sp.kind, sp.microbatch, sp.stage) in frees)
-        peak = max(peak, held)
-    return peak
 
 
 class _Simulation:

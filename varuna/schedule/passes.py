@@ -21,6 +21,7 @@ __all__ = [
     "add_allreduce",
     "split_backwards",
     "releasing",
+    "peak_inflight",
     "lower",
     "compute_actions",
     "last_stage",
@@ -152,6 +153,18 @@ def releasing(spans: Iterable[Span]) -> set[tuple[str, int | None, int | None]]:
         for sp in spans
         if sp.kind == "B"
     }
+
+
+def peak_inflight(spans: Iterable[Span]) -> int:
+    """The most micro-batches one rank's spans hold activations of at once: from each forward to the
+    end of its backward (of its W, where that backward was split; `releasing`)."""
+    spans = list(spans)
+    frees = releasing(spans)
+    held = peak = 0
+    for sp in spans:
+        held += (sp.kind == "F") - ((sp.kind, sp.microbatch, sp.stage) in frees)
+        peak = max(peak, held)
+    return peak
 
 
 def lower(schedule: Schedule) -> Schedule:
