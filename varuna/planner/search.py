@@ -149,21 +149,22 @@ def plan(
             shape = _Shape(table, pipeline, data, mbs, cluster)
             microbatches = global_batch_size // (data * mbs)
             seen: set[tuple[Any, ...]] = set()
-            for schedule, recompute in _pairs(schedules, recompute_options, pipeline):
-                misfit = (
-                    chunked_misfit(table, schedule, pipeline, global_batch_size // (data * mbs))
-                    if schedule_spec(schedule).chunks_per_rank > 1
-                    else None
-                )
+            misfits = {
+                s: chunked_misfit(table, s, pipeline, microbatches)
+                if schedule_spec(s).chunks_per_rank > 1
+                else None
+                for s in schedules
+            }
+            for schedule, misfit in misfits.items():
                 if misfit is not None:
-                    if not any(r.schedule == schedule and r.micro_batch_size == mbs and r.pipeline == pipeline
-                               for r in rejected):  # fmt: skip
-                        rejected.append(
-                            Rejected(
-                                pipeline=pipeline, data=data, micro_batch_size=mbs, schedule=schedule,
-                                kind="stages", reason=misfit,
-                            )
-                        )  # fmt: skip
+                    rejected.append(
+                        Rejected(
+                            pipeline=pipeline, data=data, micro_batch_size=mbs, schedule=schedule,
+                            kind="stages", reason=misfit,
+                        )
+                    )  # fmt: skip
+            for schedule, recompute in _pairs(schedules, recompute_options, pipeline):
+                if misfits[schedule] is not None:
                     continue
                 same = _runs_as(schedule, pipeline, microbatches, recompute)
                 if same in seen:
