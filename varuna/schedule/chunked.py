@@ -202,6 +202,16 @@ def _paper_order(r: int, p: int, m: int) -> list[Action]:
     return [x for x in out if not (x.kind == WEIGHT_KIND and x.stage == 0)]
 
 
+def _seconds(costs: tuple[Costs, ...], a: Action) -> float:
+    """An action's seconds on `costs`: virtual stage 0's B is its whole backward (B + W)."""
+    f, b, w = costs[a.stage]
+    if a.kind == "F":
+        return f
+    if a.kind == "B":
+        return b + w if a.stage == 0 else b
+    return w
+
+
 def _span(lists: list[list[Action]], costs: tuple[Costs, ...]) -> float | None:
     """How long the ranks take to run the given lists in order on `costs` (free messages, as
     `_timed_list_schedule` times them); None if they deadlock."""
@@ -216,17 +226,16 @@ def _span(lists: list[list[Action]], costs: tuple[Costs, ...]) -> float | None:
                 a = actions[heads[r]]
                 v, mb = a.stage, a.microbatch
                 assert mb is not None
-                needs = [("F", v - 1, mb)] if a.kind == "F" and v > 0 else []
-                if a.kind == "B":
+                if a.kind == "F":
+                    needs = [("F", v - 1, mb)] if v > 0 else []
+                elif a.kind == "B":
                     needs = [("F", v, mb)] + ([("B", v + 1, mb)] if v < n - 1 else [])
-                elif a.kind == WEIGHT_KIND:
+                else:
                     needs = [("B", v, mb)]
                 if any(k not in done_at for k in needs):
                     break
-                f, b, w = costs[v]
-                cost = f if a.kind == "F" else (b + w if v == 0 else b) if a.kind == "B" else w
                 start = max([free_at[r], *(done_at[k] for k in needs)])
-                done_at[(a.kind, v, mb)] = free_at[r] = start + cost
+                done_at[(a.kind, v, mb)] = free_at[r] = start + _seconds(costs, a)
                 heads[r] += 1
                 moved = True
     return max(free_at) if all(h == len(x) for h, x in zip(heads, lists)) else None
@@ -285,9 +294,8 @@ def _timed_list_schedule(
         r, t, a = started
         v, mb = a.stage, a.microbatch
         assert mb is not None
-        f, b, w = costs[v]
-        cost = f if a.kind == "F" else (b + w if v == 0 else b) if a.kind == "B" else w
         out[r].append(a)
+        cost = _seconds(costs, a)
         done_at[(a.kind, v, mb)] = free_at[r] = t + cost
         heapq.heappush(events, t + cost)
         now = t
