@@ -30,6 +30,8 @@ from transparency_common import (  # noqa: E402
     CHUNK_CONFIGS,
     CLIP,
     CONFIGS,
+    EVERY_W,
+    EXTRA,
     MODELS,
     SCHEDULES,
     reference,
@@ -97,7 +99,7 @@ CASES = [
     for (P, D, _) in configs
     for kind in MODELS
     for schedule in SCHEDULES
-]
+] + [(world, P, D, kind, schedule) for world, extra in EXTRA.items() for P, D, kind, schedule in extra]
 
 
 @pytest.mark.parametrize(
@@ -123,10 +125,14 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
     for r in results:  # and a rank keeps no other stage's parameters in memory (they are meta)
         assert r["in_memory"] == sorted(r["params"])
     for r in results:  # stages after the first split their first and last backward (the default), or
-        # every backward where the schedule places each weight half itself (zb-h1)
-        every = not schedule_spec(schedule).split_backward
-        split = r["microbatches"] if every else min(r["microbatches"], 2)
+        # where the schedule places each weight half itself (zb-h1: every backward, less those its
+        # order fitted to the profiled costs merged back, `fuse_weights`), each W one split backward
+        every = not schedule_spec(schedule.split(":")[0]).split_backward
+        split = r["weights"] if every else min(r["microbatches"], 2)
         assert r["split"] == (0 if r["stage"] == 0 else split), r["stage"]
+        assert r["weights"] <= r["microbatches"] and (r["stage"] > 0 or r["weights"] == 0)
+        if schedule.endswith(EVERY_W):  # the paper's zb-h1: every backward after stage 0 split
+            assert r["weights"] == (r["microbatches"] if r["stage"] > 0 else 0)
     if schedule in ("1f1b", "eager-1f1b"):  # activations held: 1F1B's P - s; eager-1F1B one more at most
         # (whether it takes that one depends on when gradients arrive: test_comm_jobs checks it pulls)
         M = results[0]["microbatches"]
@@ -156,14 +162,17 @@ def test_two_chunks_per_rank_equal_plain_training(runs, world, P, D, uneven, kin
     results = [torch.load(f, weights_only=True) for f in sorted(folder.glob("rank*.pt"))]
     held = {name for r in results for name in r["params"]}
     assert held == set(reference(kind)[1])  # every parameter is held by some rank
-    spec = schedule_spec(schedule)
+    spec = schedule_spec(schedule.split(":")[0])
     M = results[0]["microbatches"]
     for r in results:
         assert r["chunk_stages"] == spec.stages_of(r["stage"], P) and len(r["chunk_stages"]) == 2
         assert r["in_memory"] == sorted(r["params"])  # only its two chunks' parameters are real
-        # zb-v splits every backward after virtual stage 0 (its order places W); interleaved none
-        per_chunk = {"zb-v": M, "interleaved-1f1b": 0}[schedule]
-        assert r["split"] == per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
+        # zb-v splits the backwards after virtual stage 0 whose W its order keeps (`fuse_weights`
+        # merges the others back, on the profiled costs); interleaved none
+        per_chunk = {"zb-v": M, "interleaved-1f1b": 0}[schedule.split(":")[0]]
+        assert r["split"] == r["weights"] <= per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
+        if schedule.endswith(EVERY_W):  # the paper's zb-v: every backward after virtual stage 0 split
+            assert r["weights"] == per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
 
 
 def _check_against(

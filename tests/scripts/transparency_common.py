@@ -25,13 +25,32 @@ CONFIGS: dict[int, list[tuple[int, int, Any]]] = {
 }
 
 
+# zb-h1 and zb-v merge the weight halves that fill nothing back into their backward, on the profiled
+# costs (`fuse_weights`); "<schedule>:every-w" runs them with every W split, as the paper has them.
+EVERY_W = ":every-w"
+# world size -> (P, D, model, schedule) run beside CONFIGS' (one chunk per rank, balanced)
+EXTRA: dict[int, list[tuple[int, int, str, str]]] = {
+    2: [(2, 1, kind, "zb-h1" + EVERY_W) for kind in MODELS],
+    4: [(2, 2, "gpt", "zb-h1" + EVERY_W)],
+}
+
+
+def engine_options(schedule: str) -> dict[str, Any]:
+    """Varuna keywords of a schedule name as these tests write it (see EVERY_W)."""
+    name, _, variant = schedule.partition(":")
+    return {"schedule": name} | ({"fuse_weights": False} if variant == EVERY_W[1:] else {})
+
+
 # Schedules with two chunks per rank (P x 2 virtual stages): world size -> (P, D, partition, models).
 # 4x1 needs 8 segments (a CutPoint inside every GPT block; an 8-layer BERT); the uneven splits: 4
 # virtual stages of 1, 1, 3 and 3 segments, and zb-v on 3 ranks (interleaved-1f1b needs M % P == 0).
 CHUNKED = ("interleaved-1f1b", "zb-v")
 CHUNK_CONFIGS: dict[int, list[tuple[int, int, Any, tuple[str, ...], tuple[str, ...]]]] = {
     1: [(1, 1, "balanced", ("gpt",), CHUNKED)],
-    2: [(2, 1, "balanced", MODELS, CHUNKED), (2, 1, [0, 1, 4], ("gpt-midcut",), CHUNKED)],
+    2: [
+        (2, 1, "balanced", MODELS, CHUNKED + ("zb-v" + EVERY_W,)),
+        (2, 1, [0, 1, 4], ("gpt-midcut",), CHUNKED),
+    ],
     3: [(3, 1, [0, 2, 3, 4, 6], ("gpt-midcut",), ("zb-v",))],
     4: [(2, 2, "balanced", MODELS, CHUNKED), (4, 1, "balanced", ("gpt-midcut", "bert8"), CHUNKED)],
 }

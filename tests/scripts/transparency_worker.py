@@ -17,6 +17,7 @@ from transparency_common import (  # noqa: E402
     CHUNK_CONFIGS,
     CLIP,
     CONFIGS,
+    EXTRA,
     GLOBAL_BATCH,
     MICRO_BATCH,
     MODELS,
@@ -24,6 +25,7 @@ from transparency_common import (  # noqa: E402
     STEPS,
     build,
     dataset,
+    engine_options,
     optimizer,
     varlen,
 )
@@ -50,6 +52,7 @@ def engine_for(kind: str, P: int, D: int, **kw: object) -> tuple[Varuna, object]
 
 
 runs = [(P, D, part, kind, s) for P, D, part in CONFIGS[world] for kind in MODELS for s in SCHEDULES]
+runs += [(P, D, "balanced", kind, s) for P, D, kind, s in EXTRA.get(world, [])]
 runs += [
     (P, D, part, k, s)
     for P, D, part, kinds, scheds in CHUNK_CONFIGS.get(world, [])
@@ -57,7 +60,7 @@ runs += [
     for s in scheds
 ]
 for P, D, partition, kind, schedule in runs:
-    engine, data = engine_for(kind, P, D, schedule=schedule, partition=partition)
+    engine, data = engine_for(kind, P, D, partition=partition, **engine_options(schedule))
     engine.set_optimizer(optimizer(engine.parameters()))
     losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
     uneven = "" if partition == "balanced" or P == 3 else "-uneven"
@@ -74,6 +77,7 @@ for P, D, partition, kind, schedule in runs:
             "stage": engine.stage,
             "chunk_stages": engine.chunk_stages,
             "split": engine.last_times.split if engine.last_times is not None else 0,
+            "weights": sum(a.kind == "W" for a in engine.actions),  # weight halves in its list
             "peak_held": peak_inflight(engine.last_times.spans) if engine.last_times is not None else 0,
             "microbatches": engine.config.num_microbatches,
         },

@@ -209,8 +209,9 @@ def test_fastest_cut_is_balanced_where_the_schedule_wants_it_and_moves_where_it_
     from varuna.planner.cuts import fit_boundaries, simulated_step
 
     assert balance(BENCH_SEGMENTS, 2) == (8,)
-    # 1F1B's drain is a chain of whole backwards: balance is its best cut
-    assert fit_boundaries(BENCH_SEGMENTS, (8,), "1f1b", 2, 8) == (8,)
+    # 1F1B's drain is a chain of backwards: its best cut is balance or the next (its stages split
+    # their first and last backward, and a split costs more than a whole one)
+    assert fit_boundaries(BENCH_SEGMENTS, (8,), "1f1b", 2, 8) in ((8,), (9,))
     # ZB-H1's last stage fills its drain with W; its first stage may take more than half
     fitted = fit_boundaries(BENCH_SEGMENTS, (8,), "zb-h1", 2, 8)
     assert fitted == (9,)

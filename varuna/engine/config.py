@@ -66,6 +66,12 @@ class EngineConfig:
     """On stages after the first, compute the input gradient of the step's first and last backward
     before their weight gradients, and send it at once: the previous stage waits for it, nobody
     for the weights (see varuna.schedule.split_backwards). False: one plain backward() each."""
+    fuse_weights: bool = True
+    """zb-h1 and zb-v (whose orders place every weight half W themselves and are fitted to the
+    profiled stage costs): each W whose deferral shortens nothing on those costs runs inside its B,
+    one whole backward, since a split costs more than a whole one (1.15x on CPU, `StageCost`); the
+    W's that fill a wait stay split (`varuna.schedule.chunked.fuse_weights`). False: every W where
+    the schedule places it, as in the paper."""
     clip_grad_norm: float | None = None
     """Clip gradients by their global norm over all stages (None: no clipping)."""
     bucket_mb: float = 25.0

@@ -168,7 +168,9 @@ class Varuna:
             cfg.engine.num_microbatches,
             recompute=cfg.engine.recompute,
             split_backward=cfg.engine.split_backward,
-            costs=_stage.action_costs(self.partition) if spec.timed_order else None,  # zb-v fits its order
+            costs=_stage.action_costs(self.partition, whole=cfg.engine.fuse_weights)
+            if spec.timed_order
+            else None,
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]

@@ -146,15 +146,18 @@ def _segment_costs(
     return [float(c) for c in box[0]]
 
 
-def action_costs(partition: Partition) -> list[tuple[float, float, float]] | None:
+def action_costs(partition: Partition, *, whole: bool = True) -> list[tuple[float, ...]] | None:
     """Each virtual stage's (F, B, W) seconds from the profiled segment costs (forward + backward),
-    split as the simulator splits them (`StageCost`); None without a profile (given boundaries)."""
+    split as the simulator splits them (`StageCost`), and with `whole` the whole backward's (an
+    order fitted to them merges back the W's that fill nothing, `EngineConfig.fuse_weights`); None
+    without a profile (given boundaries)."""
     from varuna.planner.cuts import stage_costs
 
     if partition.segment_costs is None:
         return None
     return [
         (cost.seconds("F"), cost.seconds("B", split=True), cost.seconds("W"))
+        + ((cost.seconds("B"),) if whole else ())
         for cost in stage_costs(partition.segment_costs, partition.boundaries)
     ]
 

@@ -21,12 +21,13 @@ class StageCost:
     """Backward pass."""
     recompute_s: float | None = None
     """Recomputed forward before the backward; None means `forward_s`."""
-    input_share: float = 0.6
+    input_share: float = 0.65
     """A split backward's input half (B before its W), as a share of `backward_s`."""
-    weight_share: float = 0.47
-    """A split backward's weight half (W), as a share of `backward_s`. The two shares add up to a
-    little more than 1: splitting costs a second pass over part of the graph. Both measured on
-    the bench GPT's stages on CPU (input 0.59-0.60, weight 0.45-0.48)."""
+    weight_share: float = 0.5
+    """A split backward's weight half (W), as a share of `backward_s`. The two shares add up to more
+    than 1: splitting costs a second pass over part of the graph. Both measured in the engine on the
+    bench GPT's ZB-V chunks on CPU (the last rank's B and W spans over its whole backwards when run
+    unsplit: 0.645 and 0.50; outside a pipeline, one stage timed alone, 0.68-0.79 and 0.45-0.49)."""
 
     def seconds(self, kind: str, *, split: bool = False) -> float:
         """The cost of a compute action of `kind` ("F", "B", "R" or "W"); `split`: a B whose

@@ -30,11 +30,16 @@ __all__ = [
     "interleaved_bubble",
     "zb_v_order",
     "zb_v_bubble",
+    "checked_costs",
+    "fuse_weights",
 ]
 
 Placement = Literal["loop", "v"]
-Costs = tuple[float, float, float]
-"""One virtual stage's seconds per micro-batch: F, the input half B of its backward, and W."""
+_FUSE_BUDGET = 250_000
+"""`fuse_weights` tries each W where W's x actions stay under this (P = 2, M = 8: 24 x 100)."""
+Costs = tuple[float, ...]
+"""One virtual stage's seconds per micro-batch: F, the input half B of its backward, W, and
+optionally the whole backward (B and W in one pass; without it, B + W: a split that costs nothing)."""
 
 
 def rank_of(stage: int, num_ranks: int, chunks: int, placement: Placement = "loop") -> int:
@@ -111,7 +116,7 @@ def zb_v_order(
     whole (nothing waits for its input gradient)."""
     p, m = num_ranks, num_microbatches
     if costs is not None:
-        timed = _best_timed(p, m, _checked(costs, 2 * p))
+        timed = _best_timed(p, m, checked_costs(costs, 2 * p))
         if timed is not None:
             return timed[rank]
     return _list_schedule(p, m, cap=2 * p)[0][rank]
@@ -132,7 +137,7 @@ def interleaved_bubble(num_ranks: int, num_microbatches: int, chunks: int = 2) -
 def _list_schedule(p: int, m: int, cap: int) -> tuple[list[list[Action]], float]:
     """The unit-cost order (F = B = W = 1: stage 0's whole backward 2) and its length: the shorter
     of the two priorities (a ready W before or after the next F)."""
-    unit = ((1.0, 1.0, 1.0),) * (2 * p)
+    unit = ((1.0, 1.0, 1.0, 2.0),) * (2 * p)
     done = [f for f in (_timed_list_schedule(p, m, cap, unit, 0, w) for w in (False, True)) if f is not None]
     found = min(done, key=lambda f: f[1]) if done else None
     if found is None:
@@ -140,13 +145,16 @@ def _list_schedule(p: int, m: int, cap: int) -> tuple[list[list[Action]], float]
     return found
 
 
-def _checked(costs: Sequence[Costs], n: int) -> tuple[Costs, ...]:
-    out = tuple((float(f), float(b), float(w)) for f, b, w in costs)
-    if len(out) != n or any(c <= 0 for t in out for c in t):
+def checked_costs(costs: Sequence[Costs], n: int) -> tuple[Costs, ...]:
+    """(F, B, W, whole backward) per virtual stage, the whole B + W where not given."""
+    if len(costs) != n or any(len(c) not in (3, 4) for c in costs) or any(x <= 0 for c in costs for x in c):
         raise ScheduleError(
-            f"zb-v costs need {n} (F, B, W) triples of positive seconds (one per virtual stage), got {list(costs)}"
+            f"schedule costs need {n} (F, B, W) or (F, B, W, whole backward) tuples of positive seconds (one per "
+            f"virtual stage), got {list(costs)}"
         )
-    return out
+    return tuple(
+        (float(c[0]), float(c[1]), float(c[2]), float(c[3] if len(c) == 4 else c[1] + c[2])) for c in costs
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -164,7 +172,39 @@ def _best_timed(p: int, m: int, costs: tuple[Costs, ...]) -> list[list[Action]] 
         span = _span(fixed, costs)
         found.append(None if span is None else (fixed, span))
     done = [f for f in found if f is not None]
-    return min(done, key=lambda f: f[1])[0] if done else None
+    return fuse_weights(min(done, key=lambda f: f[1])[0], costs) if done else None
+
+
+def fuse_weights(lists: list[list[Action]], costs: tuple[Costs, ...]) -> list[list[Action]]:
+    """`lists` (one per rank; `costs` from `checked_costs`) with each W whose deferral shortens nothing merged back into its B: that backward
+    then runs whole, one pass, where the split's two cost more (on CPU the two halves of the bench
+    GPT's backwards cost 1.14x a whole one). Greedy, rank by rank in list order: a W goes where the
+    lists without it take no longer on `costs`; nothing goes where a split costs nothing, nor where
+    the lists are so long that trying each W would take seconds (W's x actions > `_FUSE_BUDGET`:
+    the planner prices such shapes with every W split)."""
+    out = [list(x) for x in lists]
+    span = _span(out, costs)
+    weights = sum(a.kind == WEIGHT_KIND for actions in out for a in actions)
+    if (
+        span is None
+        or all(whole >= b + w for _, b, w, whole in costs)
+        or weights * sum(map(len, out)) > _FUSE_BUDGET
+    ):
+        return out
+    for r, actions in enumerate(out):
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            f, b, w, whole = costs[a.stage]
+            if a.kind == WEIGHT_KIND and whole < b + w:
+                trial = actions[:i] + actions[i + 1 :]
+                took = _span([*out[:r], trial, *out[r + 1 :]], costs, limit=span)
+                if took is not None and took <= span:
+                    out[r] = actions = trial
+                    span = took
+                    continue
+            i += 1
+    return out
 
 
 def _paper_order(r: int, p: int, m: int) -> list[Action]:
@@ -202,20 +242,22 @@ def _paper_order(r: int, p: int, m: int) -> list[Action]:
     return [x for x in out if not (x.kind == WEIGHT_KIND and x.stage == 0)]
 
 
-def _seconds(costs: tuple[Costs, ...], a: Action) -> float:
-    """An action's seconds on `costs`: virtual stage 0's B is its whole backward (B + W)."""
-    f, b, w = costs[a.stage]
+def _seconds(costs: tuple[Costs, ...], a: Action, split: bool) -> float:
+    """An action's seconds on `costs`: a B is its input half where `split` (its W runs later), else
+    the whole backward (virtual stage 0's always)."""
+    f, b, w, whole = costs[a.stage]
     if a.kind == "F":
         return f
     if a.kind == "B":
-        return b + w if a.stage == 0 else b
+        return b if split else whole
     return w
 
 
-def _span(lists: list[list[Action]], costs: tuple[Costs, ...]) -> float | None:
+def _span(lists: list[list[Action]], costs: tuple[Costs, ...], limit: float | None = None) -> float | None:
     """How long the ranks take to run the given lists in order on `costs` (free messages, as
-    `_timed_list_schedule` times them); None if they deadlock."""
+    `_timed_list_schedule` times them); None if they deadlock, or once an action ends after `limit`."""
     n = len(costs)
+    split = {(a.stage, a.microbatch) for actions in lists for a in actions if a.kind == WEIGHT_KIND}
     done_at: dict[tuple[str, int, int], float] = {}
     heads, free_at = [0] * len(lists), [0.0] * len(lists)
     moved = True
@@ -235,7 +277,9 @@ def _span(lists: list[list[Action]], costs: tuple[Costs, ...]) -> float | None:
                 if any(k not in done_at for k in needs):
                     break
                 start = max([free_at[r], *(done_at[k] for k in needs)])
-                done_at[(a.kind, v, mb)] = free_at[r] = start + _seconds(costs, a)
+                done_at[(a.kind, v, mb)] = free_at[r] = end = start + _seconds(costs, a, (v, mb) in split)
+                if limit is not None and end > limit:
+                    return None
                 heads[r] += 1
                 moved = True
     return max(free_at) if all(h == len(x) for h, x in zip(heads, lists)) else None
@@ -295,7 +339,7 @@ def _timed_list_schedule(
         v, mb = a.stage, a.microbatch
         assert mb is not None
         out[r].append(a)
-        cost = _seconds(costs, a)
+        cost = _seconds(costs, a, v > 0)
         done_at[(a.kind, v, mb)] = free_at[r] = t + cost
         heapq.heappush(events, t + cost)
         now = t

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from varuna.errors import ScheduleError
 from varuna.schedule.actions import WEIGHT_KIND, Action, check_sizes
 from varuna.schedule.chunked import (
+    Costs,
     Placement,
+    checked_costs,
+    fuse_weights,
     interleaved_bubble,
     interleaved_order,
     rank_of,
@@ -67,6 +71,23 @@ def _zb_h1(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
         if stage > 0 and 0 <= x - (num_stages - 1) < num_microbatches:
             actions.append(Action(stage, WEIGHT_KIND, x - (num_stages - 1)))
     return actions
+
+
+def _zb_h1_order(
+    stage: int, num_stages: int, num_microbatches: int, costs: Sequence[Costs] | None = None
+) -> list[Action]:
+    """ZB-H1's order (`_zb_h1`); with `costs` (per stage: seconds of F, B, W and the whole
+    backward) each W whose deferral shortens nothing on them is merged back into its B
+    (`varuna.schedule.chunked.fuse_weights`): where a split costs more than a whole backward, as
+    on CPU, only the W's that fill a wait stay split."""
+    if costs is None:
+        return _zb_h1(stage, num_stages, num_microbatches)
+    return _zb_h1_fused(num_stages, num_microbatches, checked_costs(costs, num_stages))[stage]
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_h1_fused(p: int, m: int, costs: tuple[Costs, ...]) -> list[list[Action]]:
+    return fuse_weights([_zb_h1(s, p, m) for s in range(p)], costs)
 
 
 def pull_ahead_room(stage: int, num_stages: int) -> int:
@@ -149,8 +170,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         about="1F1B that recomputes activations just in time and pulls forwards into its bubbles",
     ),
     "zb-h1": ScheduleSpec(
-        order=_zb_h1,
+        order=_zb_h1_order,
         split_backward=False,
+        timed_order=True,
         bubble=_bubble_zb_h1,
         about="ZB-H1: every backward split into B and W, the W filling the drain; 1F1B's peak memory",
     ),
