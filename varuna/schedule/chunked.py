@@ -96,7 +96,9 @@ def zb_v_order(
     rank: int, num_ranks: int, num_microbatches: int, costs: Sequence[Costs] | None = None
 ) -> list[Action]:
     """ZB-V ("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024): two chunks per rank in the V
-    placement, every backward split into B (input gradient) and W (weight gradients).
+    placement, every backward split into B (input gradient) and W (weight gradients); with `costs`
+    that give a whole backward, the W's whose deferral shortens nothing run inside their B again
+    (`fuse_weights`).
 
     Made by list scheduling: each time a rank is free, it runs the ready B of its deepest chunk first
     (the previous stage waits for it), else the ready F of its deepest chunk while it holds fewer

@@ -174,7 +174,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         split_backward=False,
         timed_order=True,
         bubble=_bubble_zb_h1,
-        about="ZB-H1: every backward split into B and W, the W filling the drain; 1F1B's peak memory",
+        about="ZB-H1: backwards split into B and W, the W filling the drain (on costs: only where it pays)",
     ),
     "interleaved-1f1b": ScheduleSpec(
         order=interleaved_order,
@@ -191,7 +191,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         chunks_per_rank=2,
         placement="v",
         timed_order=True,
-        about="ZB-V: two chunks per rank in a V, backwards split into B and W; 1F1B's peak memory",
+        about="ZB-V: two chunks per rank in a V, backwards split into B and W (on costs: where it pays)",
     ),
 }
 """Every schedule by name."""
