@@ -84,6 +84,12 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
             assert len(threads) == r["pipeline"] and all(t > 0 for t in threads)
     ceilings = ratios["ceilings"]
     assert ceilings["pipeline"] == pipelines[0] and set(ceilings["schedules"]) == {*paired, *unpaired}
+    for r in report["results"]:  # each Varuna rank's first forward (the fill), and the tighter bound
+        if r["system"] == "varuna":
+            assert len(r["first_forward_s_per_stage"]) == r["pipeline"]
+            assert all(f > 0 for f in r["first_forward_s_per_stage"])
+    for c in ceilings["schedules"].values():
+        assert 0 < c["over_torch_1f1b_balanced_with_fill"] < c["over_torch_1f1b_balanced"]
     # the untied bench GPT: torch.pipelining trains the same model (its own LM head)
     assert report["model"]["config"]["tie_embeddings"] is False
     assert "own LM head" in report["model"]["torch_pipelining_head"]
@@ -143,6 +149,7 @@ def test_ceilings_bound_each_schedule_by_its_busiest_and_mean_rank() -> None:
         rec("varuna", "zb-h1", 1.25, [0.9, 1.2]),
         rec("single", None, 2.0, [2.0]),
     ]
+    results[2]["first_forward_s_per_stage"] = [0.1, 0.04]  # stage 1 waits for stage 0's first forward
     got = compute_ceilings(results)
     assert got["pipeline"] == 2 and got["torch_1f1b_step_s"] == 1.2
     assert got["schedules"]["1f1b"] == {
@@ -152,6 +159,10 @@ def test_ceilings_bound_each_schedule_by_its_busiest_and_mean_rank() -> None:
         "over_torch_1f1b_at_these_cuts": 1.2,
         "over_torch_1f1b_balanced": 1.2,
     }
+    assert "over_torch_1f1b_balanced_with_fill" not in got["schedules"]["1f1b"]  # no forwards given
+    assert got["schedules"]["zb-h1"]["over_torch_1f1b_balanced_with_fill"] == round(
+        1.2 / ((0.9 + 1.2 + 0.1) / 2), 4
+    )
     zb = got["schedules"]["zb-h1"]
     assert zb["over_torch_1f1b_at_these_cuts"] == 1.0 and zb["over_torch_1f1b_balanced"] == round(
         1.2 / 1.05, 4

@@ -402,9 +402,16 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if engine is not None:
             timed = engine.history[w:]
             total = sum(h["time_s"] for h in timed)
+            first = min(engine.chunk_stages)  # the rank's first virtual stage: its forward opens the fill
+            forwards = [
+                sp.end - sp.start
+                for sp in (engine.last_times.spans if engine.last_times is not None else [])
+                if sp.kind == "F" and sp.stage in (None, first)
+            ]
             fractions = {
                 "idle": sum(h["idle_s"] for h in timed) / total,
                 "comm": sum(h["comm_s"] for h in timed) / total,
+                "first_forward_s": statistics.median(forwards) if forwards else 0.0,
             }
             engine.close()
         every = _gather({"systems": mine, "fractions": fractions, "peaks": peaks})
@@ -438,6 +445,9 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
             if system == "varuna":
                 record["idle_fraction_per_stage"] = [round(r["fractions"]["idle"], 4) for r in every]
                 record["comm_fraction_per_stage"] = [round(r["fractions"]["comm"], 4) for r in every]
+                record["first_forward_s_per_stage"] = [
+                    round(r["fractions"]["first_forward_s"], 4) for r in every
+                ]
             record["first_loss"] = first[system]
             if "varuna" in systems and "torch.pipelining" in systems:
                 record["paired"] = True

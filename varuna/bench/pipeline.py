@@ -48,7 +48,9 @@ its ideal is lower than GPipe's and 1F1B's by about one forward per micro-batch 
 
 `ratios.ceilings` bounds each Varuna schedule by its own work: torch.pipelining's 1F1B step over
 the busiest rank's main-thread CPU seconds per step (no order of that work, idle all removed, can
-beat it at these boundaries) and over the ranks' mean (nor with perfectly balanced stages); see
+beat it at these boundaries) and over the ranks' mean (nor with perfectly balanced stages), and
+that mean with the fill added (a later rank cannot start before the earlier ones forwarded the
+first micro-batch: the most any order and balance of that work could reach); see
 `varuna.bench._pipeline_report.compute_ceilings`. A schedule's measured ratio over torch's 1F1B
 can approach its ceiling only as far as its fill, drain and waiting allow.
 """
