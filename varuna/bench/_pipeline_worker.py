@@ -402,11 +402,11 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if engine is not None:
             timed = engine.history[w:]
             total = sum(h["time_s"] for h in timed)
-            first = min(engine.chunk_stages)  # the rank's first virtual stage: its forward opens the fill
+            opening = min(engine.chunk_stages)  # the rank's first virtual stage: its forward opens the fill
             forwards = [
                 sp.end - sp.start
                 for sp in (engine.last_times.spans if engine.last_times is not None else [])
-                if sp.kind == "F" and sp.stage in (None, first)
+                if sp.kind == "F" and sp.stage in (None, opening)
             ]
             fractions = {
                 "idle": sum(h["idle_s"] for h in timed) / total,

@@ -6,11 +6,15 @@ With one chunk per rank, the modules of other stages hold meta parameters and re
 modules of the rank's *other* chunk are real, and a forward of the later chunk would run the
 earlier chunk's modules again on the way to its input CutPoint. `guard_chunks` gives every module
 that holds only real parameters a forward that returns stand-ins (as `SkippedForward` does) while
-the running forward has not reached its chunk's input CutPoint, and runs the module otherwise.
+the running forward has not reached its chunk's input CutPoint, and runs the module otherwise. A
+module that holds CutPoints too (a block with one inside, as the bench GPT's) is skipped whole where
+all its CutPoints come before the running chunk's input CutPoint, and entered otherwise (its children
+guarded in turn): one stand-in call per block on the way, not one per operation of its glue.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -59,10 +63,17 @@ class ChunkGuard:
 
 
 def guard_chunks(
-    model: nn.Module, device: torch.device, traced: Mapping[str, Any], before_start: Callable[[], bool]
+    model: nn.Module,
+    device: torch.device,
+    traced: Mapping[str, Any],
+    before: Callable[[int | None], bool],
+    cut_index: Mapping[int, int],
 ) -> int:
-    """Guard the outermost modules whose parameters are all real and that contain no CutPoint
-    (a module holding a CutPoint is entered: its children are guarded instead); returns how many."""
+    """Guard the outermost modules whose parameters are all real; returns how many. `before(last)`:
+    whether the running forward has not reached its chunk's input CutPoint, and that CutPoint comes
+    after index `last` (a module's last CutPoint; None for a module without one). A module holding
+    CutPoints is guarded too (skipped whole only before a chunk that starts after all of them) and
+    its children in turn, for the forwards that enter it."""
     guarded = 0
 
     def visit(name: str, module: nn.Module) -> None:
@@ -71,10 +82,18 @@ def guard_chunks(
         if not params or all(p.is_meta for p in params) or isinstance(module, CutPoint):
             return  # glue runs everywhere; a stripped module already returns stand-ins
         whole = not isinstance(module, CONTAINERS) and not any(p.is_meta for p in params)
-        if whole and not any(isinstance(sub, CutPoint) for sub in module.modules()):
-            module.forward = ChunkGuard(module, name, device, traced.get(name), before_start)  # type: ignore[method-assign]
+        cuts = [
+            cut_index[id(sub)]
+            for sub in module.modules()
+            if isinstance(sub, CutPoint) and id(sub) in cut_index
+        ]
+        if whole:
+            last = max(cuts) if cuts else None
+            guard = ChunkGuard(module, name, device, traced.get(name), functools.partial(before, last))
+            module.forward = guard  # type: ignore[method-assign]
             guarded += 1
-            return
+            if not cuts:
+                return
         for child_name, child in module.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
 

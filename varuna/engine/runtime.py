@@ -223,12 +223,16 @@ class StageRuntime:
         }
         self._current: _ChunkRun | None = None
         if len(chunks) > 1:
-            guard_chunks(model, device, traced or {}, self.before_start)
+            guard_chunks(model, device, traced or {}, self.before_cut, cut_index)
 
-    def before_start(self) -> bool:
-        """Whether the running forward has not reached its chunk's input CutPoint yet."""
+    def before_cut(self, last: int | None) -> bool:
+        """Whether the running forward has not reached its chunk's input CutPoint yet, and that
+        CutPoint comes after CutPoint index `last` (None: any)."""
         current = self._current
-        return current is not None and current.cuts.before_start
+        if current is None or not current.cuts.before_start:
+            return False
+        start = current.cuts.start
+        return last is None or (start is not None and last < start)
 
     # one step ----------------------------------------------------------------------------------
     def run(
