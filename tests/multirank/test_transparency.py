@@ -133,10 +133,14 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
         assert r["weights"] <= r["microbatches"] and (r["stage"] > 0 or r["weights"] == 0)
         if schedule.endswith(EVERY_W):  # the paper's zb-h1: every backward after stage 0 split
             assert r["weights"] == (r["microbatches"] if r["stage"] > 0 else 0)
-    if schedule in ("1f1b", "eager-1f1b"):  # activations held: 1F1B's P - s; eager-1F1B one more at most
-        # (whether it takes that one depends on when gradients arrive: test_comm_jobs checks it pulls)
+    if schedule in ("1f1b", "eager-1f1b", "zb-h1"):  # activations held: 1F1B's P - s; eager-1F1B one
+        # more at most (whether it takes that one depends on when gradients arrive: test_comm_jobs
+        # checks it pulls); zb-h1 up to P on later stages (its W's), its first stage P + 1 (pulls)
         M = results[0]["microbatches"]
-        most = {s: min(M, P - s + (schedule == "eager-1f1b")) for s in range(P)}
+        most = {
+            s: min(M, P + (s == 0) if schedule == "zb-h1" else P - s + (schedule == "eager-1f1b"))
+            for s in range(P)
+        }
         held = [(r["stage"], r["peak_held"]) for r in results]
         assert all(h <= most[s] for s, h in held), (held, most)
 

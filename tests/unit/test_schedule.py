@@ -88,6 +88,7 @@ def test_the_registry_holds_each_schedules_behaviour() -> None:
     assert schedule_spec("varuna").recompute and schedule_spec("varuna").pull_ahead
     assert schedule_spec("eager-1f1b").pull_ahead and not schedule_spec("eager-1f1b").recompute
     assert not schedule_spec("1f1b").recompute and not schedule_spec("gpipe").pull_ahead
+    assert schedule_spec("zb-h1").pull_ahead and not schedule_spec("zb-v").pull_ahead
     assert [n for n, s in SCHEDULES.items() if s.chunks_per_rank > 1] == ["interleaved-1f1b", "zb-v"]
     # zb-h1 and zb-v place W themselves; interleaved's drain gains less than the split costs
     assert [n for n, s in SCHEDULES.items() if not s.split_backward] == ["zb-h1", "interleaved-1f1b", "zb-v"]

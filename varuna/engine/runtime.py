@@ -333,7 +333,7 @@ class StageRuntime:
             if a.kind == "F":
                 m = a.microbatch
                 c = self.chunks[a.stage]
-                if len(c.outputs) >= pull_ahead_room(a.stage, self.num_stages):
+                if len(c.outputs) + len(c.weights) >= pull_ahead_room(a.stage, self.num_stages):
                     return []
                 if not c.first and not c.up.activation_ready(m or 0):
                     return []

@@ -389,7 +389,9 @@ class _Simulation:
         if a.kind in WORK_KINDS:
             end = t + self.durations.get((v, a.kind, m), self.work(v, a.kind, m))
             held = a.kind == "R" or (a.kind == "F" and v not in self.recomputes)  # as the runtime's outputs
-            self.held[v] += 1 if held else -(a.kind == "B")
+            # ... and weight halves: a split backward's micro-batch is held until its W
+            released = a.kind == WEIGHT_KIND or (a.kind == "B" and (v, m) not in self.split)
+            self.held[v] += 1 if held else -released
         elif a.kind == "ALLREDUCE":
             end = t + self.allreduce[s]
         elif a.kind in ("RECV_F", "RECV_B"):

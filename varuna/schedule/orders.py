@@ -121,7 +121,8 @@ class ScheduleSpec:
     """Non-last stages recompute each micro-batch just before its backward (`recompute=None`)."""
     pull_ahead: bool = False
     """The runtime (and the simulator) pulls the next forward ahead while a gradient is late, as long
-    as the stage then holds no more activations than `pull_ahead_room` allows."""
+    as the stage then holds no more activations than `pull_ahead_room` allows (a micro-batch counts
+    from its forward to its backward, or to its W where that backward was split)."""
     split_backward: bool = True
     """Stages after the first may compute their first and last backward in two halves (B, then W;
     `varuna.schedule.split_backwards`); the engine's `split_backward` option turns it off. False for a
@@ -173,8 +174,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         order=_zb_h1_order,
         split_backward=False,
         timed_order=True,
+        pull_ahead=True,
         bubble=_bubble_zb_h1,
-        about="ZB-H1: backwards split into B and W, the W filling the drain (on costs: only where it pays)",
+        about="ZB-H1: backwards split into B and W, the W filling the drain (on costs: where it pays); pulls forwards ahead",
     ),
     "interleaved-1f1b": ScheduleSpec(
         order=interleaved_order,
