@@ -156,9 +156,7 @@ def action_costs(partition: Partition, *, whole: bool = True) -> list[tuple[floa
     if partition.segment_costs is None:
         return None
     return [
-        (cost.seconds("F"), cost.seconds("B", split=True), cost.seconds("W"))
-        + ((cost.seconds("B"),) if whole else ())
-        for cost in stage_costs(partition.segment_costs, partition.boundaries)
+        cost.order_costs(whole=whole) for cost in stage_costs(partition.segment_costs, partition.boundaries)
     ]
 
 

@@ -108,9 +108,7 @@ def simulate(
         (9.0, 0.33333333333333337)
     """
     spec = schedule_spec(schedule_name)  # zb-v: the order the engine runs, fitted to the costs
-    costs = [
-        (c.seconds("F"), c.seconds("B", split=True), c.seconds("W"), c.seconds("B")) for c in stage_costs
-    ]
+    costs = [c.order_costs() for c in stage_costs]
     fit = spec.timed_order and len(costs) == num_stages * spec.chunks_per_rank and min(map(min, costs)) > 0
     schedule = build_schedule(
         schedule_name, num_stages, num_microbatches, recompute=recompute, split_backward=split_backward,

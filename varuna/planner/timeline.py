@@ -40,6 +40,12 @@ class StageCost:
             return self.backward_s * self.weight_share
         return self.forward_s if self.recompute_s is None else self.recompute_s
 
+    def order_costs(self, *, whole: bool = True) -> tuple[float, ...]:
+        """(F, split B, W) seconds, and with `whole` the whole backward's: what an order fitted to
+        the costs takes (`varuna.schedule.make_schedule(costs=)`)."""
+        split = (self.seconds("F"), self.seconds("B", split=True), self.seconds("W"))
+        return (*split, self.seconds("B")) if whole else split
+
 
 @dataclass(kw_only=True, slots=True)
 class Timeline:
