@@ -54,7 +54,13 @@ def main() -> None:
                 pulled += engine.last_times.pulled_ahead if engine.last_times else 0
             params = {n: p.detach().cpu().clone() for n, p in engine.named_parameters()}
             torch.save(
-                {"losses": losses, "params": params, "device": str(engine.device), "pulled_ahead": pulled},
+                {
+                    "losses": losses,
+                    "params": params,
+                    "device": str(engine.device),
+                    "pulled_ahead": pulled,
+                    "refit": engine.refit_info,  # zb-h1, zb-v: steps after the 2nd in the refitted order
+                },
                 folder / f"rank{engine.rank}.pt",
             )
             engine.close()

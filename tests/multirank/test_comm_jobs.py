@@ -218,3 +218,10 @@ def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
             for f in (tmp_path / "out" / f"{kind}-{pipeline}x{data}-{eager}").glob("rank*.pt")
         ]
         assert sum(pulled) > 0, (eager, pulled)
+    for timed in {"zb-h1", "zb-v"} & set(schedules):  # step 3 ran the order refitted to step 2's costs,
+        refits = [  # its messages in the ticks of the new order (`Courier.replan`)
+            torch.load(f, weights_only=True)["refit"]
+            for kind in models
+            for f in (tmp_path / "out" / f"{kind}-{pipeline}x{data}-{timed}").glob("rank*.pt")
+        ]
+        assert refits and all(r is not None and r["step"] == 2 for r in refits), (timed, refits)

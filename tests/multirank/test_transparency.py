@@ -133,6 +133,7 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
         assert r["weights"] <= r["microbatches"] and (r["stage"] > 0 or r["weights"] == 0)
         if schedule.endswith(EVERY_W):  # the paper's zb-h1: every backward after stage 0 split
             assert r["weights"] == (r["microbatches"] if r["stage"] > 0 else 0)
+    _check_refit(results, schedule, P)
     if schedule in ("1f1b", "eager-1f1b", "zb-h1"):  # activations held: 1F1B's P - s; eager-1F1B one
         # more at most (whether it takes that one depends on when gradients arrive: test_comm_jobs
         # checks it pulls); zb-h1 up to P on later stages (its W's), its first stage P + 1 (pulls)
@@ -177,6 +178,18 @@ def test_two_chunks_per_rank_equal_plain_training(runs, world, P, D, uneven, kin
         assert r["split"] == r["weights"] <= per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
         if schedule.endswith(EVERY_W):  # the paper's zb-v: every backward after virtual stage 0 split
             assert r["weights"] == per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
+    _check_refit(results, schedule, P)
+
+
+def _check_refit(results: list[dict], schedule: str, P: int) -> None:
+    """zb-h1 and zb-v ran steps 3-5 in the order refitted to the chunk costs step 2 measured
+    (`EngineConfig.refit_after`), every rank on the same costs; other schedules keep theirs."""
+    timed = schedule_spec(schedule.split(":")[0]).timed_order and P > 1
+    for r in results:
+        assert (r["refit"] is not None) == timed, (schedule, r["refit"])
+        if timed:
+            assert r["refit"]["step"] == 2 and r["refit"]["costs"] == results[0]["refit"]["costs"]
+            assert all(x > 0 for row in r["refit"]["costs"] for x in row)
 
 
 def _check_against(

@@ -80,6 +80,7 @@ for P, D, partition, kind, schedule in runs:
             "weights": sum(a.kind == "W" for a in engine.actions),  # weight halves in its list
             "peak_held": peak_inflight(engine.last_times.spans) if engine.last_times is not None else 0,
             "microbatches": engine.config.num_microbatches,
+            "refit": engine.refit_info,  # zb-h1, zb-v: the order refitted to measured costs
         },
         tag / f"rank{engine.rank}.pt",
     )

@@ -412,6 +412,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "idle": sum(h["idle_s"] for h in timed) / total,
                 "comm": sum(h["comm_s"] for h in timed) / total,
                 "first_forward_s": statistics.median(forwards) if forwards else 0.0,
+                "refit": engine.refit_info,  # zb-h1, zb-v: the order refitted to measured costs
             }
             engine.close()
         every = _gather({"systems": mine, "fractions": fractions, "peaks": peaks})
@@ -448,6 +449,14 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 record["first_forward_s_per_stage"] = [
                     round(r["fractions"]["first_forward_s"], 4) for r in every
                 ]
+                refit = every[0]["fractions"]["refit"]
+                if refit is not None:  # before the timed steps (warm-up >= refit_after): what they ran
+                    record["refit"] = {
+                        "after_step": refit["step"],
+                        "costs_s": [[round(x, 5) for x in row] for row in refit["costs"]],
+                        "startup_order_s": refit["startup_order_s"] and round(refit["startup_order_s"], 4),
+                        "refitted_order_s": refit["refitted_order_s"] and round(refit["refitted_order_s"], 4),
+                    }
             record["first_loss"] = first[system]
             if "varuna" in systems and "torch.pipelining" in systems:
                 record["paired"] = True

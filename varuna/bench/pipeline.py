@@ -101,8 +101,9 @@ class PipelineBench:
     """Varuna schedules, each run at every P."""
     torch_schedules: tuple[str, ...] = TORCH_SCHEDULES
     """torch.distributed.pipelining schedules, each run at every P."""
-    warmup: int = 1
-    """Untimed steps before the timed ones (per system and schedule; the first step is the slow one)."""
+    warmup: int = 2
+    """Untimed steps before the timed ones (per system and schedule): the first is the slow one; after
+    the second Varuna's zb-h1 and zb-v refit their order to the costs it measured (`refit_after`)."""
     steps: int = 4
     """Timed steps per system and schedule at every P but the smallest; samples/s uses their median."""
     paired_steps: int = 10

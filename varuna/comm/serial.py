@@ -162,6 +162,11 @@ class Courier:
         self._unknown: list[int] = []  # this step's micro-batches to probe
         self._micro: Sequence[Mapping[str, Any]] | None = None  # this step's micro-batches
 
+    def replan(self, plan: Plan) -> None:
+        """Between steps: the ticks of a new order's messages (`varuna.engine.refit`)."""
+        self.plan = plan
+        self._last = max(plan.ticks.values(), default=-1)
+
     # the step ----------------------------------------------------------------------------------
     def begin_step(self, micro: Sequence[Mapping[str, Any]]) -> None:
         """Start a step (once, whichever link asks first): the micro-batches' keys, and one

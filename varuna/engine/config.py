@@ -72,6 +72,10 @@ class EngineConfig:
     one whole backward, since a split costs more than a whole one (1.15x on CPU, `StageCost`); the
     W's that fill a wait stay split (`varuna.schedule.chunked.fuse_weights`). False: every W where
     the schedule places it, as in the paper."""
+    refit_after: int | None = 2
+    """zb-h1 and zb-v: after this many steps (of this process) the order, and which W's stay split,
+    is fitted again to the chunk costs the last step measured, which the start-up profile only
+    estimates (`varuna.engine.refit`). None: keep the order fitted to the profile."""
     clip_grad_norm: float | None = None
     """Clip gradients by their global norm over all stages (None: no clipping)."""
     bucket_mb: float = 25.0
@@ -105,6 +109,12 @@ class EngineConfig:
         elif not all(isinstance(b, int) for b in self.partition):
             raise ConfigError(
                 f"partition={list(self.partition)!r} must be a list of integer CutPoint indices"
+            )
+        r = self.refit_after
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise ConfigError(
+                f"refit_after must be a positive number of steps, or None to keep the order fitted to the "
+                f"start-up profile; got {r!r}"
             )
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")

@@ -32,9 +32,6 @@ from varuna._files import write_json_atomic
 from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
 from varuna.comm.buckets import GradBuckets
-from varuna.comm.links import boundary_groups
-from varuna.comm.serial import Courier, plan, replica_group
-from varuna.comm.serial import wanted as serial_wanted
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
 from varuna.elastic.protocol import MORPH_EXIT, StopRequest
@@ -42,6 +39,7 @@ from varuna.engine import stage as _stage
 from varuna.engine import train_state as _train_state
 from varuna.engine.config import VarunaConfig
 from varuna.engine.precision import LossScaler, autocast_policy
+from varuna.engine.refit import OrderRefit
 from varuna.engine.runtime import Chunk, StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError
 from varuna.planner.costs import model_signature
@@ -174,15 +172,12 @@ class Varuna:
         )
         self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
-        serial = serial_wanted(self.device, spec.chunks_per_rank, cfg.engine.schedule)
-        if serial:  # NCCL: just-in-time batches on one group per pipeline (`varuna.comm.serial`)
-            group = replica_group(P, cfg.engine.data, self.replica, self.device)
-            courier, groups = Courier(group, self.device, plan(lowered, rank_of, self.stage, self.rank)), None
-        else:
-            courier, groups = None, boundary_groups(P, cfg.engine.data, P * spec.chunks_per_rank, rank_of,
-                                                    position=self.stage, replica=self.replica, device=self.device)  # fmt: skip
-        chunks = _stage.chunk_links(self.chunk_stages, P * spec.chunks_per_rank, rank_of, self.rank, self.stage,
-                                    self.device, groups, courier=courier)  # fmt: skip
+        chunks, courier = _stage.pipeline_links(
+            cfg, lowered, self.chunk_stages, rank_of, rank=self.rank, stage=self.stage, replica=self.replica,
+            device=self.device,
+        )  # fmt: skip
+        self._refit = OrderRefit.create(cfg, rank_of, stage=self.stage, chunk_stages=self.chunk_stages,
+                                        courier=courier, device=self.device)  # fmt: skip
         names = cut_names(model)
         position = {name: i for i, name in enumerate(self.trace.cut_names)}
         index_of = {mid: position.get(name, -1) for mid, name in names.items()}
@@ -322,6 +317,8 @@ class Varuna:
                 p.grad = None
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._works: list[Any] = []
+        if self._refit is not None and (refitted := self._refit.before_step(self.last_times, self.schedule)):
+            self.schedule, self.actions = refitted, refitted[self.stage]
         losses, times = self._runtime.run(
             self.actions, micro, loss_coef=scale / M, allreduce=self._start_allreduce
         )
@@ -473,8 +470,13 @@ class Varuna:
         groups += [pg for _, pg, _ in self._tied_groups if pg is not None]
         for pg in groups:
             dist.destroy_process_group(pg)
-        self._dp_group = None
-        self._tied_groups = []
+        self._dp_group, self._tied_groups = None, []
+
+    @property
+    def refit_info(self) -> dict[str, Any] | None:
+        """Once the order was refitted to measured costs (`EngineConfig.refit_after`): on what, and
+        the simulated step of the start-up order and the new one on them (`OrderRefit.info`)."""
+        return self._refit.info if self._refit is not None else None
 
     # reporting ---------------------------------------------------------------------------------
     def describe(self) -> str:

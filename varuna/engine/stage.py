@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -40,6 +40,7 @@ from varuna.cut.partition import (
 )
 from varuna.cut.standin import SkippedForward, record_outputs
 from varuna.engine.config import VarunaConfig
+from varuna.schedule import schedule_spec
 
 
 def trace(model: nn.Module, micro: dict[str, Any] | None) -> tuple[Trace, dict[str, dict[Any, Any]]]:
@@ -267,6 +268,30 @@ def broadcast_initial_values(
                 dist.broadcast(local[0].data, src=where(g.stages[0]), group=pg)
             for p in local[1:]:
                 p.copy_(local[0])
+
+
+def pipeline_links(
+    config: VarunaConfig, schedule: Mapping[int, Sequence[Any]], chunk_stages: list[int],
+    rank_of: Callable[[int], int], *, rank: int, stage: int, replica: int, device: torch.device,
+) -> tuple[list[tuple[Any, Any]], Any]:  # fmt: skip
+    """This rank's (up, down) links per chunk (`chunk_links`), and the `Courier` they share where the
+    links are serial (NCCL: just-in-time batches on one group per pipeline, `varuna.comm.serial`,
+    planned from `schedule`), else None."""
+    from varuna.comm.links import boundary_groups
+    from varuna.comm.serial import Courier, plan, replica_group, wanted
+
+    e = config.engine
+    spec = schedule_spec(e.schedule)
+    n = e.pipeline * spec.chunks_per_rank
+    courier, groups = None, None
+    if wanted(device, spec.chunks_per_rank, e.schedule):
+        group = replica_group(e.pipeline, e.data, replica, device)
+        courier = Courier(group, device, plan(schedule, rank_of, stage, rank))
+    else:
+        groups = boundary_groups(
+            e.pipeline, e.data, n, rank_of, position=stage, replica=replica, device=device
+        )
+    return chunk_links(chunk_stages, n, rank_of, rank, stage, device, groups, courier=courier), courier
 
 
 def chunk_links(

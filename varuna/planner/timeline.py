@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from varuna.schedule import WEIGHT_KIND, WORK_KINDS, Span
 
-__all__ = ["StageCost", "Timeline"]
+__all__ = ["StageCost", "Timeline", "measured_cost"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +47,43 @@ class StageCost:
         the costs takes (`varuna.schedule.make_schedule(costs=)`)."""
         split = (self.seconds("F"), self.seconds("B", split=True), self.seconds("W"))
         return (*split, self.seconds("B")) if whole else split
+
+
+def measured_cost(
+    spans: Sequence[Mapping[str, Any]], *, unsplit_from_shares: bool = False
+) -> StageCost | None:
+    """A `StageCost` from one virtual stage's measured compute spans (dicts with "kind", "start",
+    "end" and "mb"): the median F, B, W and R seconds; None without an F or a B. A B whose
+    micro-batch has a W ran split (its input half): the split shares follow from the medians. Where
+    every B ran split the whole backward was not seen: it is B + W, or with `unsplit_from_shares`
+    (B + W) over the default shares' sum (a split costs that much more than a whole backward)."""
+
+    def seconds(kind: str, split: bool | None = None) -> list[float]:
+        return [
+            float(sp["end"]) - float(sp["start"])
+            for sp in spans
+            if sp["kind"] == kind and (split is None or (sp.get("mb") in weights) == split)
+        ]
+
+    weights = {sp.get("mb") for sp in spans if sp["kind"] == WEIGHT_KIND}
+    forward, whole, split = seconds("F"), seconds("B", False), seconds("B", True)
+    if not forward or not (whole or split):
+        return None
+    b_split = statistics.median(split) if split else 0.0
+    w = statistics.median(seconds(WEIGHT_KIND)) if weights else 0.0
+    if whole:
+        b = statistics.median(whole)
+    else:
+        shares = StageCost(forward_s=1.0, backward_s=1.0)  # the default shares
+        b = (b_split + w) / (shares.input_share + shares.weight_share if unsplit_from_shares else 1.0)
+    b = max(b, 1e-12)
+    recompute = seconds("R")
+    return StageCost(
+        forward_s=statistics.median(forward),
+        backward_s=b,
+        recompute_s=statistics.median(recompute) if recompute else None,
+        **({"input_share": b_split / b, "weight_share": w / b} if split and weights else {}),
+    )
 
 
 @dataclass(kw_only=True, slots=True)

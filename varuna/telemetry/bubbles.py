@@ -17,7 +17,6 @@ pair as its bubble figure (`varuna_widgets.figures.bubble_figure`).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,35 +199,16 @@ def compare_step(
 
 
 def _median_cost(vstage: int, spans: Sequence[Mapping[str, Any]], schedule: str) -> Any:
-    """A `StageCost` from one virtual stage's compute spans: median F, B, W and R seconds. A B that
-    has a W for its micro-batch ran split (input half only): whole B = median unsplit B (or split
-    B + W when every B was split) and the split shares follow from the medians."""
-    from varuna.planner.simulator import StageCost
+    """A `StageCost` from one virtual stage's compute spans (`varuna.planner.timeline.measured_cost`:
+    median F, B, W and R seconds; whole B = split B + W where every B was split)."""
+    from varuna.planner.timeline import measured_cost
 
-    def seconds(kind: str, keep: Any = None) -> list[float]:
-        return [
-            float(sp["end"]) - float(sp["start"])
-            for sp in spans
-            if sp["kind"] == kind and (keep is None or keep(sp))
-        ]
-
-    weights = {sp.get("mb") for sp in spans if sp["kind"] == "W"}
-    forward, whole = seconds("F"), seconds("B", lambda sp: sp.get("mb") not in weights)
-    split, weight, recompute = seconds("B", lambda sp: sp.get("mb") in weights), seconds("W"), seconds("R")
-    if not forward or not (whole or split):
+    cost = measured_cost(spans)
+    if cost is None:
+        missing = "F" if not any(sp["kind"] == "F" for sp in spans) else "B"
         raise ConfigError(
-            f"virtual stage {vstage} has no {'F' if not forward else 'B'} span in this step, so the "
+            f"virtual stage {vstage} has no {missing} span in this step, so the "
             f"{schedule!r} prediction has no cost for it; pass a whole step's spans (every stage's "
             "event for that step)"
         )
-    f = statistics.median(forward)
-    b_split = statistics.median(split) if split else 0.0
-    w = statistics.median(weight) if weight else 0.0
-    b = statistics.median(whole) if whole else b_split + w
-    b = max(b, 1e-12)
-    return StageCost(
-        forward_s=f,
-        backward_s=b,
-        recompute_s=statistics.median(recompute) if recompute else None,
-        **({"input_share": b_split / b, "weight_share": w / b} if split and weight else {}),
-    )
+    return cost
