@@ -77,6 +77,16 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
     goal = ratios["targets"]  # the targets, at the smallest P: named, not asserted
     assert goal["pipeline"] == pipelines[0] and goal["varuna_best"] in (*paired, *unpaired)
     assert goal["varuna_best_over_torch_1f1b"] > 0 and goal["worst_same_schedule"]["schedule"] in paired
+    # torch's 1F1B ran in the rounds of every schedule at that P: each system over it step by step
+    for r in report["results"]:
+        if r["system"] != "single" and r["pipeline"] == pipelines[0]:
+            assert len(r["ref_ratios"]) == steps and all(x > 0 for x in r["ref_ratios"])
+            if (r["system"], r["schedule"]) == ("torch.pipelining", "1f1b"):
+                assert r["ref_ratios"] == [1.0] * steps  # itself
+    over = goal["over_torch_1f1b"]
+    assert set(over["varuna"]) == {*paired, *unpaired} and set(over["torch.pipelining"]) == set(paired)
+    assert goal["varuna_best_over_torch_1f1b"] == over["varuna"][goal["varuna_best"]]["median"]
+    assert goal["unpaired"]["varuna_best"] in (*paired, *unpaired)
     # every rank's main-thread CPU seconds, and from them each schedule's ceiling at the smallest P
     for r in report["results"]:
         if r["system"] != "single":

@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from varuna.data import SyntheticLM, collate, global_indices
-from varuna.models import GPT, GPTConfig
+from varuna.bench._pipeline_common import LR, _batches, _log, _model
+from varuna.bench._pipeline_torch import _TorchRunner
 
-LR = 1e-4
-SEED = 0
-DATA_SEED = 0
+REFERENCE = "torch.pipelining 1f1b (reference)"
+"""torch.pipelining's 1F1B, at its own cut, in the rounds of every other schedule at the paired P
+(`spec["reference"]`): the issue's targets compare each system with it step by step."""
 
 
 def share_of_ideal(step_s: float, single_step_s: float, pipeline: int, microbatches: int) -> float:
@@ -39,23 +38,6 @@ def share_of_ideal(step_s: float, single_step_s: float, pipeline: int, microbatc
     samples/s), from the two step times of the same global batch."""
     P, M = pipeline, microbatches
     return single_step_s / (step_s * P * M / (M + P - 1))
-
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _model(cfg: dict[str, Any]) -> GPT:
-    torch.manual_seed(SEED)
-    return GPT(GPTConfig(**cfg))
-
-
-def _batches(spec: dict[str, Any]) -> list[dict[str, Tensor]]:
-    """The global batches of steps 0 .. warmup+steps-1, made before any timing starts."""
-    cfg, B = spec["model"], spec["global_batch_size"]
-    steps = spec["warmup"] + spec["steps"]
-    ds = SyntheticLM(cfg["vocab_size"], cfg["seq_len"], max(B * steps, 1024), seed=DATA_SEED)
-    return [collate([ds[i] for i in global_indices(s, B, len(ds))]) for s in range(steps)]
 
 
 class _Clock:
@@ -200,14 +182,6 @@ class _VarunaRunner:
 # -------------------------------------------------------------------------------- torch.pipelining
 
 
-def _units(n_layer: int, inside: bool) -> list[tuple[str, int]]:
-    """The GPT's blocks as the pieces a stage boundary can fall between, in order: each block whole,
-    or (with `cut_inside_blocks`) its attention half and its MLP half."""
-    if not inside:
-        return [("block", i) for i in range(n_layer)]
-    return [(half, i) for i in range(n_layer) for half in ("attend", "feed")]
-
-
 def _chunks(schedule: str) -> int:
     from varuna.schedule import schedule_spec
 
@@ -220,113 +194,6 @@ def _partition(spec: dict[str, Any], schedule: str) -> Any:
     schedules; the others then take "fastest")."""
     chosen = spec.get("partition", "fastest")
     return chosen if isinstance(chosen, str) or _chunks(schedule) == 1 else "fastest"
-
-
-def _stage_units(boundaries: list[int], stage: int, units: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """The units of `stage` under varuna's boundaries (cut c sits after unit c)."""
-    first = boundaries[stage - 1] + 1 if stage > 0 else 0
-    last = boundaries[stage] if stage < len(boundaries) else len(units) - 1
-    return units[first : last + 1]
-
-
-class _Stage(nn.Module):
-    """One torch.pipelining stage cut from the GPT: the embedding on the first, then its units, and
-    ln_f with the LM head on the last: the GPT's own head, or for a GPT that ties its head to the
-    token embedding an untied copy of it (torch.pipelining has no weights shared across stages)."""
-
-    def __init__(self, gpt: GPT, units: list[tuple[str, int]], *, first: bool, last: bool) -> None:
-        super().__init__()
-        self.units = units
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in sorted({i for _, i in units})})
-        self.wte: nn.Embedding | None = gpt.wte if first else None
-        self.wpe: nn.Embedding | None = gpt.wpe if first else None
-        self.ln_f: nn.Module | None = None
-        self.head: nn.Linear | None = None
-        if last:
-            self.ln_f = gpt.ln_f
-            if gpt.lm_head is not None:
-                self.head = gpt.lm_head
-            else:
-                self.head = nn.Linear(gpt.config.d_model, gpt.config.vocab_size, bias=False)
-                with torch.no_grad():
-                    self.head.weight.copy_(gpt.wte.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.wte is not None and self.wpe is not None:  # x is the input ids
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
-        for kind, i in self.units:
-            block = self.blocks[str(i)]
-            x = block(x) if kind == "block" else getattr(block, kind)(x)
-        if self.ln_f is not None and self.head is not None:
-            x = self.head(self.ln_f(x))
-        return x
-
-
-def _lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-class _TorchRunner:
-    """One torch.distributed.pipelining stage of the spec's model (at the spec's boundaries) and
-    schedule, with its own AdamW; `step(batch)` returns the mean loss on the last stage."""
-
-    def __init__(self, spec: dict[str, Any], name: str) -> None:
-        import torch.distributed as dist
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-            ScheduleInterleavedZeroBubble,
-            ScheduleZBVZeroBubble,
-        )
-
-        from varuna.schedule import schedule_spec
-
-        self.rank, P = dist.get_rank(), dist.get_world_size()
-        if P != spec["pipeline"]:
-            raise RuntimeError(
-                f"torch.pipelining job has {P} ranks but the spec says pipeline={spec['pipeline']}"
-            )
-        # the virtual stages this rank holds, as Varuna places them (one per rank but for the
-        # multi-chunk schedules: round-robin for interleaved-1f1b, a V for zb-v)
-        sched = schedule_spec(name)
-        n = P * sched.chunks_per_rank
-        held = sched.stages_of(self.rank, P)
-        self.first, self.last = 0 in held, n - 1 in held
-        units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
-        gpt = _model(spec["model"])
-        bounds = spec["boundaries_by_schedule"][name]
-        self.modules = [
-            _Stage(gpt, _stage_units(bounds, v, units), first=v == 0, last=v == n - 1) for v in held
-        ]
-        del gpt
-        stages: list[Any] = [PipelineStage(m, v, n, torch.device("cpu")) for m, v in zip(self.modules, held)]
-        M = spec["global_batch_size"] // spec["micro_batch_size"]
-        self.schedule: Any
-        if name == "zb-h1":  # torch's ZB1P (ZB-H1) is its interleaved zero-bubble schedule on one stage
-            self.schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=M, loss_fn=_lm_loss)
-        elif name == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=_lm_loss)
-        elif name == "zb-v":
-            self.schedule = ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=_lm_loss)
-        else:
-            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-            self.schedule = kind(stages[0], n_microbatches=M, loss_fn=_lm_loss)
-        # two chunks of a block cut inside it share its module: each parameter once
-        params = {id(p): p for m in self.modules for p in m.parameters()}
-        self.opt = torch.optim.AdamW(list(params.values()), lr=LR)
-
-    def step(self, batch: dict[str, Tensor]) -> float | None:
-        mb_losses: list[Tensor] = []
-        self.opt.zero_grad(set_to_none=True)
-        args = (batch["input_ids"],) if self.first else ()
-        if self.last:
-            self.schedule.step(*args, target=batch["labels"], losses=mb_losses, return_outputs=False)
-        else:
-            self.schedule.step(*args)
-        self.opt.step()
-        return float(torch.stack(mb_losses).detach().mean()) if mb_losses else None
 
 
 # -------------------------------------------------------------------------------------------- rounds
@@ -351,7 +218,11 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     is the comparison (`pair_ratios`). With `spec["single"]` the baseline ("single": the whole model
     on rank 0, the other ranks waiting at the next barrier) runs in the same rounds, so a
     pipeline's share of its ideal compares it with the host as it was at the same time
-    (`of_ideal_per_round`). One job per P also means one start-up per P, not one per system.
+    (`of_ideal_per_round`). With `spec["reference"]` torch.pipelining's 1F1B (at its own cut) runs
+    in the rounds of every other schedule too, so each system's speed over it is measured step by
+    step (`ref_ratios`), as the issue's targets compare them: schedules run minutes apart on this
+    host differ by up to 10% in the baseline's speed alone. One job per P also means one start-up
+    per P, not one per system.
 
     Varuna's engine of each schedule chooses that schedule's boundaries (`spec["partition"]`,
     "fastest" by default: the segment profile is shared, the cut fitted to the schedule), and
@@ -365,6 +236,8 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     w = spec["warmup"]
     varuna_schedules, torch_schedules = spec["varuna_schedules"], spec["torch_schedules"]
     schedules = list(varuna_schedules) + [s for s in torch_schedules if s not in varuna_schedules]
+    if spec.get("reference"):  # torch's 1F1B first: its cut is the reference's in the other rounds
+        schedules.sort(key=lambda s: s != "1f1b")
     results: list[dict[str, Any]] = []
     for name in schedules:
         systems: dict[str, _VarunaRunner | _TorchRunner | _SingleRunner] = {}
@@ -381,6 +254,9 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
             systems["torch.pipelining"] = _TorchRunner(spec, name)
         if _with_single(spec, name):
             systems["single"] = _SingleRunner(spec, active=rank == 0)
+        ref = None if not spec.get("reference") else "torch.pipelining" if name == "1f1b" else REFERENCE
+        if ref == REFERENCE:
+            systems[REFERENCE] = _TorchRunner(spec, "1f1b")
         names = list(systems)
         clocks = {k: _Clock() for k in names}
         losses: dict[str, list[float | None]] = {k: [] for k in names}
@@ -391,7 +267,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 losses[system].append(systems[system].step(batch))
                 clocks[system].stop()
         peaks = {}
-        for system in names:  # one more step each, untimed: the memory it needs at its peak
+        for system in [n for n in names if n != REFERENCE]:  # one more step each, untimed: its peak memory
             dist.barrier()
             peaks[system] = _step_peak_bytes(functools.partial(systems[system].step, batches[0]))
         mine = {
@@ -462,6 +338,10 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 record["paired"] = True
                 record["pair_ratios"] = [
                     round(t / v, 4) for t, v in zip(slowest["torch.pipelining"][w:], slowest["varuna"][w:])
+                ]
+            if ref is not None:  # torch's 1F1B in the same rounds: this system's speed over it, drift-free
+                record["ref_ratios"] = [
+                    round(r / x, 4) for r, x in zip(slowest[ref][w:], slowest[system][w:])
                 ]
             if baseline is not None:
                 record["single_samples_per_s"] = baseline["samples_per_s"]

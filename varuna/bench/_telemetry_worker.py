@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from varuna.bench._pipeline_worker import LR, _batches, _gather, _model
+from varuna.bench._pipeline_common import LR, _batches, _model
+from varuna.bench._pipeline_worker import _gather
 
 
 def phases(warmup: int, pairs: int) -> list[str]:

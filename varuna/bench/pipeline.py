@@ -237,6 +237,7 @@ def _job(bench: PipelineBench, tmp: Path, pipeline: int, *, single: bool) -> lis
         "varuna_schedules": list(bench.varuna_schedules),
         "torch_schedules": list(bench.torch_schedules),
         "single": single,
+        "reference": single and "1f1b" in bench.varuna_schedules and "1f1b" in bench.torch_schedules,
         "partition": "fastest",
         "warmup": bench.warmup,
         "steps": bench.paired_steps if single else bench.steps,
