@@ -46,11 +46,12 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
     assert report["model"]["first_loss_spread"] < 1e-4
 
     # One job ran every system: at each schedule both systems run, they alternated step by step,
-    # each round giving one pair ratio, and the baseline ran in the same rounds.
+    # each round giving one pair ratio, torch's 1F1B (the reference) ran in every schedule's rounds
+    # and the baseline in 1F1B's.
     steps = report["model"]["paired_steps"]
     for r in report["results"]:
         if r["system"] == "single":
-            assert r["paired_with"] in paired and len(r["step_s"]) == steps
+            assert r["paired_with"] == "1f1b" and len(r["step_s"]) == steps
             continue
         assert len(r["step_s"]) == steps
         # both systems of a schedule are cut at the same boundaries (Varuna's engine fitted them to
@@ -64,9 +65,13 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
         ]
         assert all(o["boundaries"] == r["boundaries"] for o in same)
         if r["schedule"] in unpaired:
-            assert "pair_ratios" not in r and "of_ideal_per_round" not in r
+            assert "pair_ratios" not in r
         else:
-            assert r["paired"] and len(r["pair_ratios"]) == steps and len(r["of_ideal_per_round"]) == steps
+            assert r["paired"] and len(r["pair_ratios"]) == steps
+        # a share of the ideal per round: beside the baseline (1F1B's rounds), else through torch's
+        # 1F1B in the same rounds (the reference)
+        assert len(r["of_ideal_per_round"]) == steps
+        assert ("of_ideal_via" in r) == (r["schedule"] != "1f1b")
     ratios = report["ratios"]
     pipelines = sorted({r["pipeline"] for r in report["results"] if r["system"] != "single"})
     for P in pipelines:
@@ -114,6 +119,9 @@ def test_the_baseline_joins_the_rounds_of_the_shared_schedules() -> None:
     assert [s for s in ("gpipe", "1f1b", "varuna") if _with_single(spec, s)] == ["gpipe"]
     spec["single"] = False
     assert not any(_with_single(spec, s) for s in ("gpipe", "1f1b", "varuna"))
+    # with torch's 1F1B in every round (the reference), in 1F1B's rounds only
+    spec |= {"single": True, "reference": True, "torch_schedules": ["gpipe", "1f1b"]}
+    assert [s for s in ("gpipe", "1f1b", "varuna") if _with_single(spec, s)] == ["1f1b"]
 
 
 @pytest.mark.parametrize(

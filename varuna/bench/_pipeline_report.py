@@ -220,7 +220,9 @@ def format_table(report: dict[str, Any]) -> str:
             text = ", ".join(
                 f"{s} {v['median']:.3f} ({v['ci90'][0]:.3f}-{v['ci90'][1]:.3f})" for s, v in shares.items()
             )
-            lines.append(f"paired, {system} at {p} of its ideal (single in the same rounds): {text}")
+            lines.append(
+                f"paired, {system} at {p} of its ideal (single, or torch 1f1b, in the same rounds): {text}"
+            )
     for key, per in paired["varuna_over_torch_pipelining"].items():
         pairs = ", ".join(
             f"{s} {v['median']:.3f} (90% interval {v['ci90'][0]:.3f}-{v['ci90'][1]:.3f}, {v['pairs']} pairs)"

@@ -204,6 +204,8 @@ def _with_single(spec: dict[str, Any], schedule: str) -> bool:
     systems run, or (when they share none) those of the first schedule only."""
     if not spec["single"]:
         return False
+    if spec.get("reference"):  # torch's 1F1B carries it to the other rounds (`ref_ratios`)
+        return schedule == "1f1b"
     shared = [s for s in spec["varuna_schedules"] if s in spec["torch_schedules"]]
     return schedule in shared if shared else schedule == spec["varuna_schedules"][0]
 
@@ -221,7 +223,9 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     (`of_ideal_per_round`). With `spec["reference"]` torch.pipelining's 1F1B (at its own cut) runs
     in the rounds of every other schedule too, so each system's speed over it is measured step by
     step (`ref_ratios`), as the issue's targets compare them: schedules run minutes apart on this
-    host differ by up to 10% in the baseline's speed alone. One job per P also means one start-up
+    host differ by up to 10% in the baseline's speed alone. The baseline then runs in 1F1B's rounds
+    only (it is the slowest step of all), and the other shares of the ideal go through the reference:
+    its median share there times each round's ratio over it. One job per P also means one start-up
     per P, not one per system.
 
     Varuna's engine of each schedule chooses that schedule's boundaries (`spec["partition"]`,
@@ -239,6 +243,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     if spec.get("reference"):  # torch's 1F1B first: its cut is the reference's in the other rounds
         schedules.sort(key=lambda s: s != "1f1b")
     results: list[dict[str, Any]] = []
+    ref_share: tuple[float, float] | None = None  # torch 1F1B's median share of the ideal, single's samples/s
     for name in schedules:
         systems: dict[str, _VarunaRunner | _TorchRunner | _SingleRunner] = {}
         engine = None
@@ -349,6 +354,12 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     round(share_of_ideal(s, t, P, M), 4)
                     for s, t in zip(slowest[system][w:], slowest["single"][w:])
                 ]
+                if ref == "torch.pipelining" and system == ref:  # the reference's share of the ideal
+                    ref_share = (statistics.median(record["of_ideal_per_round"]), baseline["samples_per_s"])
+            elif ref is not None and ref_share is not None:  # through the reference: its share x ours over it
+                record["single_samples_per_s"] = ref_share[1]
+                record["of_ideal_per_round"] = [round(ref_share[0] * x, 4) for x in record["ref_ratios"]]
+                record["of_ideal_via"] = "torch.pipelining 1f1b (reference) in the same rounds"
             results.append(record)
         if baseline is not None:
             single = {"system": "single", "schedule": None, "pipeline": 1, "microbatches": M, **baseline}
