@@ -124,3 +124,19 @@ def test_refit_after_two_steps_builds_the_order_of_the_measured_costs() -> None:
     assert refit.info["refitted_order_s"] <= refit.info["startup_order_s"]
     assert refit.before_step(last, new) is None  # once
     assert all(isinstance(a, Action) for a in new[1])
+
+
+def test_an_order_no_longer_on_the_measured_costs_stays() -> None:
+    """The step already ran the order the measured costs give: nothing changes, the costs are kept."""
+    cfg = _config(schedule="zb-h1")
+    costs = [(1.0, 1.3, 1.0, 2.0), (1.0, 1.3, 1.0, 2.0)]
+    current = build_schedule("zb-h1", 2, 4, costs=costs)
+    refit = OrderRefit.create(cfg, lambda v: v, stage=0, chunk_stages=[0, 1], courier=None, device=None)
+    assert refit is not None
+    spans = [
+        Span(kind, m, 0.0, s, v) for v in (0, 1) for m in range(4) for kind, s in (("F", 1.0), ("B", 2.0))
+    ]
+    last = StepTimes(spans=spans)
+    assert refit.before_step(last, current) is None and refit.before_step(last, current) is None
+    assert refit.before_step(last, current) is None  # the refit ran and kept the order
+    assert refit.info is not None and refit.info["refitted_order_s"] >= refit.info["startup_order_s"]
