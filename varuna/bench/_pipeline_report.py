@@ -138,19 +138,30 @@ def compute_ceilings(results: list[dict[str, Any]]) -> dict[str, Any]:
     `first_forward_s_per_stage`); shared by the P ranks with the work, that gives
     `over_torch_1f1b_balanced_with_fill`, the most any order and any balance of this work could
     reach. A schedule whose work is larger (a split backward's second pass, two chunks' extra
-    messages) has a lower ceiling, whatever its bubble. Measured bounds, not targets: {} without a
-    torch 1F1B.
+    messages) has a lower ceiling, whatever its bubble. Torch's 1F1B step is the one of the
+    schedule's own rounds where it ran there (`ref_ratios`: the median ratio times the schedule's
+    median step), so the host's drift between schedules stays out. Measured bounds, not targets:
+    {} without a torch 1F1B.
     """
     P = min(r["pipeline"] for r in results if r["system"] != "single")
     at_p = [r for r in results if r["pipeline"] == P]
     base = next((r for r in at_p if r["system"] == "torch.pipelining" and r["schedule"] == "1f1b"), None)
     if base is None:
         return {}
-    torch_step = base["median_step_s"]
-    out: dict[str, Any] = {"pipeline": P, "torch_1f1b_step_s": round(torch_step, 4), "schedules": {}}
+    out: dict[str, Any] = {
+        "pipeline": P,
+        "torch_1f1b_step_s": round(base["median_step_s"], 4),
+        "schedules": {},
+    }
     for r in at_p:
         if r["system"] != "varuna":
             continue
+        # torch's 1F1B step as it ran in this schedule's rounds (the reference), else in its own
+        torch_step = (
+            statistics.median(r["ref_ratios"]) * r["median_step_s"]
+            if r.get("ref_ratios")
+            else base["median_step_s"]
+        )
         cpu = r.get("thread_cpu_s_per_step_per_stage") or r["cpu_s_per_step_per_stage"]
         busiest, mean = max(cpu), sum(cpu) / len(cpu)
         out["schedules"][r["schedule"]] = {
