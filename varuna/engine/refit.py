@@ -12,8 +12,9 @@ After `refit_after` steps, at the start of the next, each rank takes the median 
 whole B of its chunks from the last step's spans (`varuna.planner.timeline.measured_cost`), one
 all-reduce gives every rank every virtual stage's (the mean over replicas), and each rank builds
 the order from them (`build_schedule(costs=)`): the same on all, since all build it from the same
-numbers. Where the order that ran simulates no longer on those costs than the new one (the fit is a
-heuristic: in one bench run the refitted ZB-V order came out 0.4% longer), it stays. The cut stays: moving it would move parameters (`varuna morph` does that).
+numbers. Where the order that ran is as short as the new one on those costs, it stays (the fit is
+a heuristic: in one bench run the refitted ZB-V order came out 0.4% longer). The cut stays: moving
+it would move parameters (`varuna morph` does that).
 
     refit = OrderRefit.create(config, rank_of, stage=0, chunk_stages=[0], courier=None, device=cpu)
     ...
@@ -49,7 +50,7 @@ class OrderRefit:
     chunk_stages: Sequence[int]
     courier: Courier | None
     after: int
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device | None = None  # where the all-reduced cost table lives (NCCL: the GPU)
     steps: int = 0
     info: dict[str, Any] | None = field(default=None)
     """After the refit: the step it measured, the costs (per virtual stage: F, split B, W, whole B
@@ -64,7 +65,7 @@ class OrderRefit:
         stage: int,
         chunk_stages: Sequence[int],
         courier: Courier | None,
-        device: torch.device,
+        device: torch.device | None,
     ) -> OrderRefit | None:
         """A refit for a schedule whose order fits costs (`ScheduleSpec.timed_order`) in a pipeline;
         None where there is nothing to refit or `refit_after` is None."""
@@ -115,7 +116,7 @@ class OrderRefit:
         }
         old, new = self.info["startup_order_s"], self.info["refitted_order_s"]
         if lowered == current or (old is not None and new is not None and old <= new):
-            return None  # the order that ran is no longer on the measured costs: it stays
+            return None  # the order that ran is as short on the measured costs: it stays
         if self.courier is not None:  # NCCL's serial links: each message's tick follows the order
             self.courier.replan(plan(lowered, self.rank_of, self.stage, dist.get_rank()))
         if not dist.is_initialized() or dist.get_rank() == 0:
