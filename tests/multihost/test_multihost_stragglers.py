@@ -7,7 +7,9 @@ rank and hog to one CPU with ``taskset`` is not enough where the test machine's 
 sharing host time: a hog on one slows the other as much. The launcher's watch flags rank 1 on h2
 within 5 steps (its compute time per step against its peer's), its console line says so, and
 `exclude_host("h2")` relaunches the job on h1 alone (P = 1, D = 1) from the checkpoint: same global
-batch, every step done once. Measured here: flagged at step 3 at 2x to 10x its peer.
+batch, every step done once. Rank 1 enters the small core only after its `hello`, and the driver
+counts its wait for the flag from the job's `running` state (every rank ready), so a slow start-up
+under load does not eat the budget of the 5 steps the test is about.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from netns_hosts import NetnsHosts
 
 from varuna.telemetry.events import read_events
 
-pytestmark = [pytest.mark.multihost, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]
 STEPS, PAUSE = 40, 0.02
 QUOTA_US, PERIOD_US, HOGS = 25_000, 100_000, 2
 
@@ -83,19 +85,16 @@ def excluded(
     )  # fmt: skip
     try:
         # h2's ranks see no /sys/fs/cgroup (`ip netns exec` mounts a sysfs of the namespace's own): they
-        # wait until this moves them in, found by the status file each rank writes as it starts
+        # wait until this moves them in, found by their `hello` event. Moved only then, so their start-up
+        # (importing torch, the rendezvous) is not throttled: the test times training, not start-up
         moved: set[int] = set()
         while driver.poll() is None:
-            for path in (base / "run" / "status").glob("rank*.json"):
-                try:
-                    status = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-                if status.get("host") == "h2" and status.get("pid") not in moved:
-                    (small_core / "cgroup.procs").write_text(str(status["pid"]))
-                    moved.add(status["pid"])
-            time.sleep(0.05)
-        stdout, stderr = driver.communicate(timeout=140)
+            for event in read_events(base / "run"):
+                if event.get("type") == "hello" and event.get("host") == "h2" and event["pid"] not in moved:
+                    (small_core / "cgroup.procs").write_text(str(event["pid"]))
+                    moved.add(event["pid"])
+            time.sleep(0.1)
+        stdout, stderr = driver.communicate(timeout=30)
     finally:
         for proc in (driver, *hogs):
             proc.kill()
@@ -107,10 +106,13 @@ def excluded(
 
 def test_multihost_straggler_is_flagged_within_5_steps_with_its_host(excluded) -> None:
     out, run_dir = excluded
+    assert out["start_state"] == "running", out
     assert [(e["rank"], e["host"], e["stage"], e["replica"]) for e in out["flagged"]] == [(1, "h2", 0, 1)]
     flag = out["flagged"][0]
-    print(f"\nflagged at step {flag['step']} (steps {flag['steps']}), ratio {flag['ratio']}, "
-          f"{out['flag_wait_s']} s after start")  # fmt: skip
+    print(
+        f"\nflagged at step {flag['step']} (steps {flag['steps']}), ratio {flag['ratio']}, "
+        f"{out['flag_wait_s']} s after every rank was ready ({out['start_s']} s to start)"
+    )
     assert flag["ratio"] >= 1.3
     assert flag["step"] <= 4  # steps 0..4: within the job's first 5 steps
     assert out["grid_hosts"] == {"0": "h1", "1": "h2"}

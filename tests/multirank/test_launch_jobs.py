@@ -82,8 +82,14 @@ def _run_job(tmp_path: Path, mode: str, **kw: float) -> tuple[Job, int, float, s
             job.stop()
             job.stop()
             job.wait()
+    ended = time.time()
     elapsed = time.monotonic() - start
     assert _processes_with(marker) == []
+    if mode != "hang":  # timed from rank 1's failure, not from the launch: start-up under load is not timed
+        log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+        failed = re.search(r"rank 1 about to \w+ at ([0-9.]+)", log)
+        assert failed, log
+        elapsed = ended - float(failed[1])
     return job, code, elapsed, out.getvalue(), err.getvalue()
 
 
@@ -92,7 +98,7 @@ def _run_job(tmp_path: Path, mode: str, **kw: float) -> tuple[Job, int, float, s
 def test_a_raising_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
     job, code, elapsed, out, err = _run_job(tmp_path, "raise")
     assert code == 1
-    assert elapsed < 20, f"the job took {elapsed:.1f} s to end after rank 1 raised"
+    assert elapsed < 10, f"the job took {elapsed:.1f} s to end after rank 1 raised"
     assert "[rank 1 s1 d0] ValueError: boom\n" in err
     assert "[rank 1 s1 d0] note: raised on purpose by launch_fail.py\n" in err
     log = tmp_path / "run" / "logs" / "rank1.log"
@@ -111,11 +117,11 @@ def test_a_raising_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
 def test_a_sigkilled_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
     job, code, elapsed, out, err = _run_job(tmp_path, "kill")
     assert code != 0
-    assert elapsed < 20, f"the job took {elapsed:.1f} s to end after rank 1 was killed"
+    assert elapsed < 10, f"the job took {elapsed:.1f} s to end after rank 1 was killed"
     first = job.summary[0]
     assert first.startswith("varuna: rank 1 (stage 1, replica 0) "), job.summary
     assert "killed" in first and first in err
-    assert "rank 1 about to kill" in (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    assert "rank 1 about to kill at " in (tmp_path / "run" / "logs" / "rank1.log").read_text()
     assert not (tmp_path / "run" / "failures" / "rank1.json").exists()
 
 

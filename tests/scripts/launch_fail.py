@@ -17,7 +17,7 @@ def main() -> None:
     mode = sys.argv[1]
     if dist.get_rank() == 1 and mode != "hang":
         time.sleep(0.3)
-        print(f"rank 1 about to {mode}", flush=True)
+        print(f"rank 1 about to {mode} at {time.time():.3f}", flush=True)  # the test times the end from here
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         err = ValueError("boom")

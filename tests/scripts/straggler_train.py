@@ -2,8 +2,9 @@
 
     JobController.start([this, STEPS, PAUSE], ...)   with STRAGGLER_CGROUP="h2=NAME" in the environment
 
-The rank on the named host waits until the test has moved it into the CPU cgroup NAME (the test's
-model of that host's one small core, where a busy loop runs too), then it trains STEPS steps (resuming
+The rank on the named host starts at full speed; once its engine has said `hello` it waits until the
+test has moved it into the CPU cgroup NAME (the test's model of that host's one small core, where busy
+loops run too), then it trains STEPS steps (resuming
 from VARUNA_RESUME after a morph) and spins PAUSE seconds after each, so the test can act while the
 job runs. A spin, not a sleep: a rank that sleeps most of the time wakes with the scheduler's credit
 and runs its short steps ahead of the hog, while a busy rank (as a real training rank is) gets its
@@ -18,19 +19,24 @@ import sys
 import time
 from pathlib import Path
 
-host, _, group = os.environ.get("STRAGGLER_CGROUP", "").partition("=")
-if group and socket.gethostname() == host:
-    deadline = time.monotonic() + 30.0
-    while f"/{group}\n" not in Path("/proc/self/cgroup").read_text():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"not moved into the CPU cgroup {group} within 30 s")
-        time.sleep(0.05)
-
 sys.path.insert(0, str(Path(__file__).parent))
 from transparency_common import build, dataset, optimizer  # noqa: E402
 
 from varuna import Varuna  # noqa: E402
 from varuna.data import collate  # noqa: E402
+
+
+def wait_for_small_core() -> None:
+    """On the slow host, wait until the test has moved this process into its CPU cgroup."""
+    host, _, group = os.environ.get("STRAGGLER_CGROUP", "").partition("=")
+    if not group or socket.gethostname() != host:
+        return
+    deadline = time.monotonic() + 30.0
+    while f"/{group}\n" not in Path("/proc/self/cgroup").read_text():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not moved into the CPU cgroup {group} within 30 s of saying hello")
+        time.sleep(0.05)
+
 
 steps, pause = int(sys.argv[1]), float(sys.argv[2])
 GLOBAL_BATCH, MICRO_BATCH = 32, 4  # steps long enough (tens of ms) for the scheduler's slices to even out
@@ -43,6 +49,7 @@ engine = Varuna(
     example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
 )
 engine.set_optimizer(optimizer(engine.parameters()))
+wait_for_small_core()  # after `hello`: start-up (importing torch, the rendezvous) runs at full speed
 for step in range(engine.step_count, steps):
     engine.step(engine.batch(data, step))
     end = time.perf_counter() + pause
