@@ -21,12 +21,14 @@ __all__ = [
     "make_schedule",
     "auto_cut",
     "consolidate",
+    "init_weights",
     "VarunaError",
     "ConfigError",
     "PartitionError",
     "ScheduleError",
     "LaunchError",
     "CheckpointError",
+    "MemoryLimitError",
 ]
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ _WHERE = {
     "make_schedule": "varuna.schedule",
     "auto_cut": "varuna.cut.autocut",
     "consolidate": "varuna.checkpoint.consolidation",
+    "init_weights": "varuna.engine.materialize",
     **{
         name: "varuna.errors"
         for name in (
@@ -46,6 +49,7 @@ _WHERE = {
             "ScheduleError",
             "LaunchError",
             "CheckpointError",
+            "MemoryLimitError",
         )
     },
 }
@@ -56,10 +60,12 @@ if TYPE_CHECKING:
     from varuna.checkpoint.consolidation import consolidate
     from varuna.cut.autocut import auto_cut
     from varuna.cut.cutpoint import CutPoint
+    from varuna.engine.materialize import init_weights
     from varuna.errors import (
         CheckpointError,
         ConfigError,
         LaunchError,
+        MemoryLimitError,
         PartitionError,
         ScheduleError,
         VarunaError,

@@ -206,6 +206,7 @@ class Varuna(_Engine):
         partition: str | Sequence[int] = "balanced",
         example_batch: Mapping[str, Any] | None = None,
         run_dir: str | Path | None = None,
+        init: Callable[[str, Any], None] | None = None,
         **options: Any,
     ) -> None:
         check_options(options)  # before a profile that would take minutes
@@ -247,5 +248,6 @@ class Varuna(_Engine):
             example_batch=example_batch,
             run_dir=run_dir,
             plan_info=plan_info,
+            init=init,
             **options,
         )

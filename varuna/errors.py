@@ -12,6 +12,7 @@ __all__ = [
     "ScheduleError",
     "LaunchError",
     "CheckpointError",
+    "MemoryLimitError",
 ]
 
 
@@ -41,3 +42,8 @@ class LaunchError(VarunaError, RuntimeError):
 
 class CheckpointError(VarunaError, RuntimeError):
     """A checkpoint is incomplete, corrupted, or does not match the model."""
+
+
+class MemoryLimitError(ConfigError):
+    """A stage's estimated peak memory is over the memory this rank has: refused before anything
+    large is allocated (`varuna.engine.preflight`)."""

@@ -125,8 +125,32 @@ def canonical_names(model: nn.Module) -> tuple[dict[int, str], dict[str, list[st
     return by_id, aliases
 
 
-class _Recorder(TorchFunctionMode):
-    """Notes which parameters every torch call touches, and in which segment it happens."""
+class FollowMeta(TorchFunctionMode):
+    """Runs a forward whose parameters are on the meta device on real inputs: an op that mixes meta
+    and real tensors runs on meta (shapes only), and a real value moved to the meta device (a
+    padding mask moved to the model's device) stays real, so code that reads its values still runs."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args and not args[0].is_meta and _to_meta(args[1:], kwargs):
+            dtype = next(
+                (a.dtype for a in (*args[1:], kwargs.get("other")) if isinstance(a, torch.Tensor)), None
+            )
+            dtype = dtype or next((a for a in args[1:] if isinstance(a, torch.dtype)), kwargs.get("dtype"))
+            return args[0] if dtype is None else args[0].to(dtype)
+        leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(a.is_meta for a in leaves) and not all(a.is_meta for a in leaves):
+            args, kwargs = tree_map(
+                lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a, (args, kwargs)
+            )
+        return func(*args, **kwargs)
+
+
+class _Recorder(FollowMeta):
+    """Notes which parameters every torch call touches, and in which segment it happens (a model
+    built on the meta device is followed on shapes: `FollowMeta`)."""
 
     def __init__(self, param_ids: Mapping[int, str]) -> None:
         super().__init__()
@@ -137,18 +161,21 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        kwargs = kwargs or {}
-        leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        for a in leaves:
-            name = self.param_ids.get(id(a))
+        for a in tree_leaves((args, kwargs or {})):
+            name = self.param_ids.get(id(a)) if isinstance(a, torch.Tensor) else None
             if name is not None:
                 self.used.setdefault(name, set()).add(self.segment)
-        if any(a.is_meta for a in leaves) and not all(a.is_meta for a in leaves):
-            # A model built on the meta device: follow shapes only.
-            args, kwargs = tree_map(
-                lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a, (args, kwargs)
-            )
-        return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` moves to the meta device."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_meta:
+            return True
+        if (isinstance(a, torch.device) and a.type == "meta") or (isinstance(a, str) and a == "meta"):
+            return True
+    return False
 
 
 class _TraceCuts:

@@ -76,6 +76,9 @@ class EngineConfig:
     """zb-h1 and zb-v: after this many steps (of this process) the order, and which W's stay split,
     is fitted again to the chunk costs the last step measured, which the start-up profile only
     estimates (`varuna.engine.refit`). None: keep the order fitted to the profile."""
+    optimizer_state: Literal["adam", "momentum", "none"] = "adam"
+    """The optimizer state the memory check counts per parameter: "adam" two moments (AdamW, Adam),
+    "momentum" one (SGD with momentum), "none" (plain SGD); the state is in the parameters' dtype."""
     clip_grad_norm: float | None = None
     """Clip gradients by their global norm over all stages (None: no clipping)."""
     bucket_mb: float = 25.0
@@ -109,6 +112,11 @@ class EngineConfig:
         elif not all(isinstance(b, int) for b in self.partition):
             raise ConfigError(
                 f"partition={list(self.partition)!r} must be a list of integer CutPoint indices"
+            )
+        if self.optimizer_state not in ("adam", "momentum", "none"):
+            raise ConfigError(
+                f"optimizer_state={self.optimizer_state!r}: use 'adam' (AdamW, Adam), 'momentum' (SGD with "
+                "momentum) or 'none' (plain SGD)"
             )
         r = self.refit_after
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
@@ -207,7 +215,7 @@ class VarunaConfig:
         for part in _COMPONENTS:
             flat |= asdict(getattr(self, part))
         flat["run_dir"] = self.run_dir
-        for key in ("run_dir", "resume"):
+        for key in ("run_dir", "resume", "weights"):
             flat[key] = str(flat[key]) if flat[key] is not None else None
         flat["shared_weights"] = [list(g) for g in flat["shared_weights"]]
         if not isinstance(flat["partition"], str):

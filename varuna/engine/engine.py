@@ -38,7 +38,10 @@ from varuna.elastic.protocol import MORPH_EXIT, StopRequest
 from varuna.engine import stage as _stage
 from varuna.engine import train_state as _train_state
 from varuna.engine.config import VarunaConfig
+from varuna.engine.materialize import InitFn, is_meta, materialize, require_init
 from varuna.engine.precision import LossScaler, autocast_policy
+from varuna.engine.preflight import check as check_memory
+from varuna.engine.preflight import rank_estimate
 from varuna.engine.refit import OrderRefit
 from varuna.engine.runtime import Chunk, StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError
@@ -77,6 +80,7 @@ class Varuna:
         run_dir: str | Path | None = None,
         resume: str | Path | None = None,
         plan_info: Mapping[str, Any] | None = None,
+        init: InitFn | None = None,
         **options: Any,
     ) -> None:
         env = vdist.launch_env()
@@ -123,6 +127,9 @@ class Varuna:
         self.autocast = autocast_policy(cfg.engine.precision, self.device.type)
         self.scaler = LossScaler(cfg.engine.init_loss_scale) if cfg.engine.precision == "fp16" else None
         self.model = model
+        meta = is_meta(model)  # built on the meta device: this rank makes only its stage real
+        if meta and cfg.checkpoint.weights is None:
+            require_init(model, init)
 
         micro = None if cfg.engine.pipeline == 1 and example_batch is None else self._example(example_batch)
         self.trace, traced = _stage.trace(model, micro)  # traced: output shapes, for skipped modules
@@ -133,16 +140,37 @@ class Varuna:
             model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast,
             num_stages=P * spec.chunks_per_rank, owners=[rank_of(v) for v in range(P * spec.chunks_per_rank)],
             timed=spec.timed_order,
+            measure=not meta,
         )  # fmt: skip
+        lowered = build_schedule(
+            cfg.engine.schedule,
+            P,
+            cfg.engine.num_microbatches,
+            recompute=cfg.engine.recompute,
+            split_backward=cfg.engine.split_backward,
+            costs=_stage.action_costs(self.partition, whole=cfg.engine.fuse_weights)
+            if spec.timed_order
+            else None,
+        )
+        self.schedule = lowered
+        # before anything of the stage's size is allocated: a shape that cannot fit is refused here
+        self.memory_estimate = rank_estimate(
+            model, micro, self.trace, self.partition, cfg, lowered, chunk_stages=self.chunk_stages,
+            rank_of=rank_of, device=self.device, autocast=self.autocast,
+        )  # fmt: skip
+        check_memory(self.memory_estimate, where=self.where, config=cfg)
         owned = {n for v in self.chunk_stages for n in self.partition.stage_params[v]}
         _stage.strip(model, owned, self.device, traced)
+        fresh = materialize(model, self.device, params=owned) if meta else {}
         _stage.to_device(model, self.device)
         self._params = _stage.owned_parameters(model)
         self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage, rank_of)
         self._resume_path = (
             ckpt.resolve(cfg.checkpoint.resume, cfg.run_dir) if cfg.checkpoint.resume is not None else None
         )
-        if self._resume_path is None:  # a checkpoint overwrites every value anyway
+        _stage.initial_weights(model, fresh, cfg, self.trace.param_aliases, init=init)
+        if self._resume_path is None and not meta and cfg.checkpoint.weights is None:
+            # a checkpoint, a weights file or the seeded init give every replica the same values
             _stage.broadcast_initial_values(
                 self._params, self.stage, self._dp_group, self._tied_groups, rank_of
             )
@@ -160,17 +188,6 @@ class Varuna:
         ]
         self._tied_first = [rank_of(g.stages[0]) == self.stage for g, _, _ in self._tied_local]
 
-        lowered = build_schedule(
-            cfg.engine.schedule,
-            P,
-            cfg.engine.num_microbatches,
-            recompute=cfg.engine.recompute,
-            split_backward=cfg.engine.split_backward,
-            costs=_stage.action_costs(self.partition, whole=cfg.engine.fuse_weights)
-            if spec.timed_order
-            else None,
-        )
-        self.schedule = lowered
         self.actions: list[Action] = lowered[self.stage]
         chunks, courier = _stage.pipeline_links(
             cfg, lowered, self.chunk_stages, rank_of, rank=self.rank, stage=self.stage, replica=self.replica,

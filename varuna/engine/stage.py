@@ -40,6 +40,7 @@ from varuna.cut.partition import (
 )
 from varuna.cut.standin import SkippedForward, record_outputs
 from varuna.engine.config import VarunaConfig
+from varuna.engine.materialize import InitFn, check_written, initialize, nonpersistent_buffers
 from varuna.schedule import schedule_spec
 
 
@@ -68,16 +69,18 @@ def partition(
     num_stages: int | None = None,
     owners: Sequence[int] | None = None,
     timed: bool = False,
+    measure: bool = True,
 ) -> Partition:
     """The stages `config.engine.partition` asks for: given boundaries, or balanced by measured costs;
     `num_stages`: the virtual stages (P x chunks per rank; default P), `owners` the rank of each
     (then the ranks' loads are balanced: `balance_ranks`). `timed`: measure the costs with given
-    boundaries too (a schedule whose order fits them: `ScheduleSpec.timed_order`)."""
+    boundaries too (a schedule whose order fits them: `ScheduleSpec.timed_order`). Without `measure`
+    (a model on the meta device cannot be timed) 'balanced' and 'fastest' balance parameter counts."""
     num_stages = config.engine.pipeline if num_stages is None else num_stages
     boundaries = None if isinstance(config.engine.partition, str) else list(config.engine.partition)
     costs = None
     balanced = boundaries is None and config.engine.partition in ("balanced", "fastest")
-    if (balanced or (timed and boundaries is not None)) and num_stages > 1:
+    if measure and (balanced or (timed and boundaries is not None)) and num_stages > 1:
         assert micro is not None  # pipeline > 1 always traces an example micro-batch
         costs = _segment_costs(
             model, micro, trace, config, rank=rank, world_size=world_size, autocast=autocast
@@ -171,9 +174,13 @@ def strip(
     output shapes the start-up trace saw per module (see `trace`)."""
     canon, _ = canonical_names(model)
     replaced: dict[int, nn.Parameter] = {}
+    kept: set[int] = set()  # the held parameters (on a model built on meta, these are meta too)
     for module in model.modules():
         for pname, p in list(module._parameters.items()):
-            if p is None or canon[id(p)] in owned:
+            if p is None:
+                continue
+            if canon[id(p)] in owned:
+                kept.add(id(p))
                 continue
             if id(p) not in replaced:
                 replaced[id(p)] = nn.Parameter(
@@ -184,7 +191,11 @@ def strip(
     def visit(name: str, module: nn.Module) -> None:
         params = list(module.parameters())
         # A ModuleList is never called itself (the model loops over it): its blocks are the ones skipped.
-        if params and all(p.is_meta for p in params) and not isinstance(module, (CutPoint, *CONTAINERS)):
+        if (
+            params
+            and not any(id(p) in kept for p in params)
+            and not isinstance(module, (CutPoint, *CONTAINERS))
+        ):
             for sub in module.modules():
                 for bname, b in list(sub._buffers.items()):
                     if b is not None:
@@ -218,6 +229,48 @@ def owned_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         seen.add(id(p))
         out.append((name, p))
     return out
+
+
+def initial_weights(
+    model: nn.Module,
+    fresh: dict[int, str],
+    config: VarunaConfig,
+    aliases: Mapping[str, Sequence[str]],
+    *,
+    init: InitFn | None = None,
+) -> None:
+    """Write this stage's starting values: from `config.checkpoint.weights` (only this stage's
+    tensors are read), else, for a model built on the meta device (`fresh`: the tensors
+    `materialize` made), the seeded per-module init (`varuna.engine.materialize`). A model built on
+    the meta device also recomputes its non-persistent buffers, which no file holds."""
+    weights = config.checkpoint.weights
+    seed = config.checkpoint.init_seed
+    if weights is not None:
+        from varuna.checkpoint.weights import WeightsSource, load_stage, match_keys
+
+        source = WeightsSource.open(weights)
+        state = model.state_dict(keep_vars=True)
+        shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        mapping = match_keys(source, shapes, aliases)
+        targets: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and not value.is_meta and id(value) not in seen:
+                seen.add(id(value))
+                targets[key] = value
+        if fresh:
+            unfiled = {id(t) for n, t in model.named_buffers() if n in nonpersistent_buffers(model)}
+            initialize(model, seed=seed, init=init, only=unfiled & set(fresh))
+        with torch.no_grad():
+            load_stage(source, {k: mapping[k] for k in targets}, {k: t.data for k, t in targets.items()})
+        how = f"weights={weights}"
+    elif fresh:
+        initialize(model, seed=seed, init=init)
+        how = "init=" if init is not None else "the modules' own init"
+    else:
+        return
+    if fresh:
+        check_written(model, fresh, how=how)
 
 
 def make_groups(

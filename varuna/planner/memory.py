@@ -1,15 +1,17 @@
 """Memory for the planner: sizes as people write them ("16GiB") and the per-stage estimate.
 
 `parse_memory` and `format_bytes` read and print byte counts (`varuna.planner.search` re-exports both);
-`_memory` is the per-stage peak of the model in `varuna.planner.search`'s module docstring.
+`stage_memory` is the per-stage peak of the model in `varuna.planner.search`'s module docstring,
+shared by the planner and the engine's pre-flight check.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from varuna.errors import PlanError
-from varuna.planner.costs import CostTable
+from varuna.planner.costs import CostTable, SegmentCost
 
 _UNITS = {
     "b": 1,
@@ -65,11 +67,27 @@ def _memory(
     inflight: list[int],
     split_backward: bool = False,
 ) -> list[int]:
+    """`stage_memory` of a profile's segments."""
+    return stage_memory(table.segments, table.tied_bytes, stages, mbs, recompute, inflight, split_backward)
+
+
+def stage_memory(
+    segs: Sequence[SegmentCost],
+    tied_bytes: int,
+    stages: list[range],
+    mbs: int,
+    recompute: bool,
+    inflight: list[int],
+    split_backward: bool = False,
+) -> list[int]:
     """Bytes per stage: weights, gradients, optimizer state and the activations the schedule holds
     at its peak (`inflight` micro-batches). A split backward (`split_backwards`, stages after the
     first) also keeps, from its input half to its weight half, the gradient at each node next to a
-    weight: counted as one more micro-batch of that stage's activations (less in practice)."""
-    segs = table.segments
+    weight: counted as one more micro-batch of that stage's activations (less in practice).
+
+    The planner prices its candidates with it (`segs` from the profile) and the engine checks a
+    shape against the memory it has before allocating anything (`segs` from a forward on the meta
+    device, `varuna.profile.memory`)."""
     total_params = sum(s.param_bytes for s in segs)
     state_per_param = sum(s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in segs) / max(
         total_params, 1
@@ -78,7 +96,7 @@ def _memory(
     for s, r in enumerate(stages):
         static = sum(segs[j].param_bytes + segs[j].grad_bytes + segs[j].optimizer_bytes for j in r)
         if s == len(stages) - 1 and s > 0:
-            static += int(table.tied_bytes * state_per_param)  # the last stage's copy of the tied weights
+            static += int(tied_bytes * state_per_param)  # the last stage's copy of the tied weights
         full = sum(segs[j].activation_memory_bytes[mbs] for j in r)
         if recompute and s < len(stages) - 1:
             held_input = segs[r[0] - 1].activation_bytes[mbs] if s > 0 else 0

@@ -53,6 +53,7 @@ from varuna.engine.precision import autocast_policy
 from varuna.errors import ConfigError
 from varuna.planner.costs import CostTable, NetworkCost, SegmentCost, model_signature
 from varuna.profile.calibrate import fit_action_overhead
+from varuna.profile.memory import param_split
 from varuna.profile.network import NETWORK_SIZES, profile_network
 from varuna.profile.passes import _device_of, _micro_batch, _micro_len, _preserved
 from varuna.profile.slowdown import measure_slowdown
@@ -139,27 +140,6 @@ def _check_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
     return sorted(sizes)
 
 
-def _param_split(
-    model: nn.Module, segment_of: Mapping[str, set[int]], segments: int, opt_per_param: int
-) -> tuple[list[list[int]], int]:
-    """[param, grad, optimizer] bytes per segment, and the bytes of parameters used in several.
-
-    A parameter counts in the first segment that uses it (an unused one in segment 0, where the
-    engine places it).
-    """
-    split = [[0] * segments for _ in range(3)]
-    tied = 0
-    for name, p in model.named_parameters():
-        segs = segment_of.get(name) or {0}
-        nbytes = p.numel() * p.element_size()
-        split[0][min(segs)] += nbytes
-        if p.requires_grad:
-            split[1][min(segs)] += nbytes
-            split[2][min(segs)] += p.numel() * opt_per_param
-        tied += nbytes if len(segs) > 1 else 0
-    return split, tied
-
-
 def _profile(
     model: nn.Module,
     example_batch: Mapping[str, Any],
@@ -181,7 +161,7 @@ def _profile(
     )
     trace = trace_model(model, _micro_batch(example_batch, sizes[0], device))
     k = len(trace.cut_names)
-    split, tied = _param_split(model, trace.param_segments, k + 1, optimizer_bytes_per_param)
+    split, tied = param_split(model, trace.param_segments, k + 1, optimizer_bytes_per_param)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def forward(clock: _Clock, micro: dict[str, Any]) -> Any:

@@ -1,0 +1,192 @@
+"""The memory check before a stage is made real: a shape that cannot fit is refused, not run out of.
+
+    estimate = rank_estimate(model, micro, trace, partition, config, schedule, ...)
+    check(estimate, where="rank 3 (stage 3, replica 0)")     # MemoryLimitError, or nothing
+
+The estimate is this rank's peak: its stages' parameters, gradients and optimizer state
+(`EngineConfig.optimizer_state`), and the activations the schedule holds at its peak at this
+micro-batch size, the bytes each segment saves for backward measured by one forward on the meta
+device (`varuna.profile.memory`) and priced by the planner's own `stage_memory`. The limit is, in
+this order: `memory_limit=` (the whole process, as a cgroup counts it), on CUDA the device's free
+memory, on CPU the memory cgroup's limit (v2 `memory.max`, v1 `memory.limit_in_bytes`); with none
+known nothing is refused. On CPU the process's resident memory at the check (Python, torch, the
+meta model) counts against the limit too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from varuna.cut.partition import Partition, Trace
+from varuna.engine.config import VarunaConfig
+from varuna.errors import MemoryLimitError
+from varuna.planner.memory import format_bytes, parse_memory, stage_memory
+from varuna.profile.memory import OPTIMIZER_STATE_BYTES, memory_segments
+from varuna.schedule import WORK_KINDS, Action, peak_inflight, pull_ahead_room, schedule_spec
+
+__all__ = ["MemoryEstimate", "rank_estimate", "memory_limit", "resident_bytes", "check"]
+
+_UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+@dataclass(slots=True)
+class MemoryEstimate:
+    """This rank's expected peak, its parts, and the limit it is checked against."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    total: int
+    """params + grads + optimizer + activations: what the stage adds to the process."""
+    baseline: int
+    """The process's resident bytes at the check (CPU; 0 on CUDA, where the device is counted)."""
+    limit: int | None
+    limit_source: str
+    stage_bytes: list[int]
+    """Per virtual stage this rank holds (one entry unless the schedule gives it several chunks)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resident_bytes() -> int:
+    """The process's resident memory (VmRSS), 0 where /proc is not there."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _cgroup_limit() -> tuple[int | None, str]:
+    """The memory cgroup's limit of this process (v2 or v1) and the file it came from."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None, ""
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            file = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        elif "memory" in controllers.split(","):
+            file = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            text = file.read_text().strip()
+        except OSError:
+            continue
+        if text != "max" and text.isdigit() and int(text) < _UNLIMITED:
+            return int(text), str(file)
+    return None, ""
+
+
+def memory_limit(config: VarunaConfig, device: torch.device) -> tuple[int | None, str]:
+    """The bytes this rank may use, and where that figure comes from; (None, "") when unknown."""
+    if config.planner.memory_limit is not None:
+        return parse_memory(config.planner.memory_limit), f"memory_limit={config.planner.memory_limit!r}"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {device}"
+    limit, file = _cgroup_limit()
+    return (limit, f"the memory cgroup's limit ({file})") if limit is not None else (None, "")
+
+
+def _inflight(
+    schedule: Mapping[int, Sequence[Action]], stages: int, config: VarunaConfig, rank_of: Callable[[int], int]
+) -> list[int]:
+    """Per virtual stage, the most micro-batches whose activations it holds at once."""
+    e = config.engine
+    spec = schedule_spec(e.schedule)
+    out = []
+    for v in range(stages):
+        mine = [a for a in schedule[rank_of(v)] if a.stage == v and a.kind in WORK_KINDS]
+        held = peak_inflight(mine)  # type: ignore[arg-type]  # an Action has a Span's kind, stage, micro-batch
+        if spec.pull_ahead and not e.uses_recompute:
+            held = max(held, min(pull_ahead_room(rank_of(v), e.pipeline), e.num_microbatches))
+        out.append(held)
+    return out
+
+
+def rank_estimate(
+    model: nn.Module,
+    micro: Mapping[str, Any] | None,
+    trace: Trace,
+    partition: Partition,
+    config: VarunaConfig,
+    schedule: Mapping[int, Sequence[Action]],
+    *,
+    chunk_stages: Sequence[int],
+    rank_of: Callable[[int], int],
+    device: torch.device,
+    autocast: Any = None,
+) -> MemoryEstimate:
+    """This rank's expected peak (`MemoryEstimate`) for the partition and schedule chosen."""
+    e = config.engine
+    per_param = OPTIMIZER_STATE_BYTES[e.optimizer_state]
+    sizes = {p.element_size() for p in model.parameters()} or {4}
+    opt_bytes = per_param * max(sizes)  # the optimizer's state is in the parameters' dtype
+    segs, tied = memory_segments(model, micro, trace, optimizer_bytes_per_param=opt_bytes, autocast=autocast)
+    ranges = [partition.stage_segments(v) for v in range(partition.num_stages)]
+    inflight = _inflight(schedule, partition.num_stages, config, rank_of)
+    mbs = next(iter(segs[0].activation_memory_bytes))
+    per_stage = stage_memory(segs, tied, ranges, mbs, e.uses_recompute, inflight, e.split_backward)
+    mine = [per_stage[v] for v in chunk_stages]
+    params = grads = optimizer = 0
+    for v in chunk_stages:
+        for j in ranges[v]:
+            params, grads, optimizer = (
+                params + segs[j].param_bytes,
+                grads + segs[j].grad_bytes,
+                optimizer + segs[j].optimizer_bytes,
+            )
+    total = sum(mine)
+    limit, source = memory_limit(config, device)
+    return MemoryEstimate(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=max(total - params - grads - optimizer, 0),
+        total=total,
+        baseline=resident_bytes() if device.type == "cpu" else 0,
+        limit=limit,
+        limit_source=source,
+        stage_bytes=mine,
+    )
+
+
+def check(estimate: MemoryEstimate, *, where: str, config: VarunaConfig) -> None:
+    """MemoryLimitError when the estimate (with the process's baseline) is over the limit."""
+    if estimate.limit is None or estimate.baseline + estimate.total <= estimate.limit:
+        return
+    e = config.engine
+    need = estimate.baseline + estimate.total
+    hints = [f"more pipeline stages (pipeline={e.pipeline} now; each stage holds fewer layers)"]
+    if not e.uses_recompute:
+        hints.append("recompute=True (a stage keeps only its input per micro-batch in flight)")
+    if e.micro_batch_size > 1:
+        hints.append(f"a smaller micro_batch_size ({e.micro_batch_size} now)")
+    if e.optimizer_state != "none":
+        hints.append(f"an optimizer with less state (optimizer_state={e.optimizer_state!r} counted)")
+    raise MemoryLimitError(
+        f"{where} would need about {format_bytes(need)} but has {format_bytes(estimate.limit)} "
+        f"({estimate.limit_source}): its stage holds {format_bytes(estimate.params)} of parameters, "
+        f"{format_bytes(estimate.grads)} of gradients, {format_bytes(estimate.optimizer)} of optimizer state "
+        f"and {format_bytes(estimate.activations)} of activations at its peak, on top of "
+        f"{format_bytes(estimate.baseline)} the process holds already. Nothing was allocated; try "
+        + ", or ".join(hints)
+        + (
+            f". Stages of this rank: {[format_bytes(b) for b in estimate.stage_bytes]}"
+            if len(estimate.stage_bytes) > 1
+            else ""
+        )
+    )
