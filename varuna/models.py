@@ -234,6 +234,11 @@ class GPT(nn.Module):
         )
         self.apply(_init_gpt_style)
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialise one module's own weights (`varuna.init_weights` and a model built on the meta
+        device call it module by module, as transformers models' `_init_weights`)."""
+        _init_gpt_style(module)
+
     @classmethod
     def from_config(cls, config: GPTConfig) -> GPT:
         """Build the model a config describes (same as `GPT(config)`)."""
@@ -345,6 +350,12 @@ class BertMLM(nn.Module):
         self.head_ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.decoder_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.apply(_init_gpt_style)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialise one module's own weights (see `GPT._init_weights`)."""
+        _init_gpt_style(module)
+        if module is self:
+            nn.init.zeros_(self.decoder_bias)
 
     @classmethod
     def from_config(cls, config: BertConfig) -> BertMLM:

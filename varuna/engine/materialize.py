@@ -14,16 +14,16 @@ NaN and integer ones at their type's minimum, so that a tensor nothing wrote is 
 
 What writes them, in this order:
 
-    1. `init` (without weights: every module; with weights or a checkpoint: the modules holding a
-       non-persistent buffer, which no file holds): `init(name, module)` if given, else the
-       transformers model's own `_init_weights(module)` where the module belongs to one, else the
-       module's `reset_parameters()`. Each module is initialised under a seed derived from the base
-       seed and the module's qualified name (`module_seed`), so its values do not depend on which
-       stage holds it: a pipelined run at any P x D starts from the same weights as a plain model
-       given `init_weights(model, seed)`. A tied weight is initialised by the module of its first
-       name only. transformers recomputes rotary `inv_freq` and position-id buffers in
-       `_init_weights`; a module of your own with a non-persistent buffer recomputes it in its
-       `reset_parameters()` (or in your `init`).
+    1. init, of every module (with `weights=`: only of the modules holding a non-persistent
+       buffer, which no file holds): `init(name, module)` if given, else the model's own
+       `_init_weights(module)` where the module belongs to a model that has one (transformers
+       models, `varuna.models`), else the module's `reset_parameters()`. Each module is initialised
+       under a seed derived from the base seed and the module's qualified name (`module_seed`), so
+       its values do not depend on which stage holds it: a pipelined run at any P x D starts from
+       the same weights as a plain model given `init_weights(model, seed)`. A tied weight is
+       initialised by the module of its first name only. transformers recomputes rotary `inv_freq`
+       and position-id buffers in `_init_weights`; a module of your own with a non-persistent
+       buffer recomputes it in its `reset_parameters()` (or in your `init`).
     2. the weights file (`varuna.checkpoint.weights`) or the checkpoint (`resume=`), which overwrite
        what they hold.
 """
@@ -131,8 +131,9 @@ def nonpersistent_buffers(model: nn.Module) -> set[str]:
     return out
 
 
-def _transformers_roots(model: nn.Module) -> dict[int, Any]:
-    """id(module) -> the outermost transformers model it belongs to (one with `_init_weights`)."""
+def _init_roots(model: nn.Module) -> dict[int, Any]:
+    """id(module) -> the outermost model it belongs to that initialises its modules one by one with
+    `_init_weights(module)` and has a `config` (transformers models; `varuna.models`' too)."""
     owner: dict[int, Any] = {}
     for _, module in model.named_modules():
         if id(module) in owner:
@@ -167,7 +168,7 @@ def initialize(
     of tensors), just the modules that directly hold one of them. A parameter registered under a
     second name (a tied weight) is left to the module of its first name."""
     canon, _ = canonical_names(model)
-    call = init if init is not None else _default_init(_transformers_roots(model))
+    call = init if init is not None else _default_init(_init_roots(model))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         for name, module in _kept_modules(model):
             own = [*module._parameters.values(), *module._buffers.values()]
@@ -244,7 +245,7 @@ def require_init(model: nn.Module, init: InitFn | None) -> None:
     module holding parameters, `reset_parameters` or a transformers `_init_weights`."""
     if init is not None:
         return
-    roots = _transformers_roots(model)
+    roots = _init_roots(model)
     bare = [
         f"{name or type(model).__name__} ({type(module).__name__})"
         for name, module in model.named_modules()

@@ -6,7 +6,8 @@
 The estimate is this rank's peak: its stages' parameters, gradients and optimizer state
 (`EngineConfig.optimizer_state`), and the activations the schedule holds at its peak at this
 micro-batch size, the bytes each segment saves for backward measured by one forward on the meta
-device (`varuna.profile.memory`) and priced by the planner's own `stage_memory`. The limit is, in
+device (`varuna.profile.memory`) and priced by the planner's own `stage_memory`; then what a step
+needs beyond those: the largest gradient twice for a moment, and the runtime's working memory. The limit is, in
 this order: `memory_limit=` (the whole process, as a cgroup counts it), on CUDA the device's free
 memory, on CPU the memory cgroup's limit (v2 `memory.max`, v1 `memory.limit_in_bytes`); with none
 known nothing is refused. On CPU the process's resident memory at the check (Python, torch, the
@@ -33,6 +34,9 @@ from varuna.schedule import WORK_KINDS, Action, peak_inflight, pull_ahead_room, 
 __all__ = ["MemoryEstimate", "rank_estimate", "memory_limit", "resident_bytes", "check"]
 
 _UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+WORKING_BYTES = 64 * 2**20
+"""What a rank's first step adds beyond its stage's tensors on CPU (the benchmark page of
+`docs/big-models.md` has the measurement)."""
 
 
 @dataclass(slots=True)
@@ -43,8 +47,14 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
+    transient: int
+    """The largest gradient this stage computes: autograd makes it whole before adding it into the
+    stage's gradient buffer, so for a moment it exists twice (an embedding's or an LM head's)."""
+    working: int
+    """The runtime's own working memory on the first step (kernels, autograd, the allocator's
+    caches): `WORKING_BYTES`."""
     total: int
-    """params + grads + optimizer + activations: what the stage adds to the process."""
+    """params + grads + optimizer + activations + transient + working: what the stage adds."""
     baseline: int
     """The process's resident bytes at the check (CPU; 0 on CUDA, where the device is counted)."""
     limit: int | None
@@ -68,26 +78,38 @@ def resident_bytes() -> int:
 
 
 def _cgroup_limit() -> tuple[int | None, str]:
-    """The memory cgroup's limit of this process (v2 or v1) and the file it came from."""
+    """The memory cgroup's limit of this process (v2 or v1; the smallest on the way up to the
+    hierarchy's root, since a parent's limit binds its children) and the file it came from."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None, ""
+    v2_root = Path("/sys/fs/cgroup")
+    if not (v2_root / "cgroup.controllers").exists():
+        v2_root = Path("/sys/fs/cgroup/unified")  # a hybrid layout mounts v2 beside v1
+    found: list[tuple[int, str]] = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one unified hierarchy
-            file = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        if controllers == "":
+            root, name = v2_root, "memory.max"
         elif "memory" in controllers.split(","):
-            file = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
         else:
             continue
-        try:
-            text = file.read_text().strip()
-        except OSError:
-            continue
-        if text != "max" and text.isdigit() and int(text) < _UNLIMITED:
-            return int(text), str(file)
-    return None, ""
+        group = root / path.lstrip("/")
+        while True:
+            try:
+                text = (group / name).read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit() and int(text) < _UNLIMITED:
+                found.append((int(text), str(group / name)))
+            if group == root or root not in group.parents:
+                break
+            group = group.parent
+    if not found:
+        return None, ""
+    return min(found)
 
 
 def memory_limit(config: VarunaConfig, device: torch.device) -> tuple[int | None, str]:
@@ -149,14 +171,21 @@ def rank_estimate(
                 grads + segs[j].grad_bytes,
                 optimizer + segs[j].optimizer_bytes,
             )
-    total = sum(mine)
+    held = {n for v in chunk_stages for n in partition.stage_params[v]}
+    transient = max(
+        (p.numel() * p.element_size() for n, p in model.named_parameters() if n in held and p.requires_grad),
+        default=0,
+    )
+    state = sum(mine)
     limit, source = memory_limit(config, device)
     return MemoryEstimate(
         params=params,
         grads=grads,
         optimizer=optimizer,
-        activations=max(total - params - grads - optimizer, 0),
-        total=total,
+        activations=max(state - params - grads - optimizer, 0),
+        transient=transient,
+        working=WORKING_BYTES,
+        total=state + transient + WORKING_BYTES,
         baseline=resident_bytes() if device.type == "cpu" else 0,
         limit=limit,
         limit_source=source,
@@ -181,7 +210,8 @@ def check(estimate: MemoryEstimate, *, where: str, config: VarunaConfig) -> None
         f"{where} would need about {format_bytes(need)} but has {format_bytes(estimate.limit)} "
         f"({estimate.limit_source}): its stage holds {format_bytes(estimate.params)} of parameters, "
         f"{format_bytes(estimate.grads)} of gradients, {format_bytes(estimate.optimizer)} of optimizer state "
-        f"and {format_bytes(estimate.activations)} of activations at its peak, on top of "
+        f"and {format_bytes(estimate.activations)} of activations at its peak (and "
+        f"{format_bytes(estimate.transient + estimate.working)} of working memory), on top of "
         f"{format_bytes(estimate.baseline)} the process holds already. Nothing was allocated; try "
         + ", or ".join(hints)
         + (
