@@ -80,27 +80,44 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def _add_consolidate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     consolidate = sub.add_parser(
         "consolidate",
-        help="write one safetensors state dict of the plain model from a checkpoint saved at any P x D",
+        help="write the plain model's state dict as Hugging Face safetensors from a checkpoint saved at any P x D",
         description="Read a checkpoint (a step directory, or the latest under a checkpoints/ or run "
-        "directory) and write the plain model's state_dict() to OUT, for model.load_state_dict.",
-        epilog="example: varuna consolidate runs/gpt out/gpt.safetensors",
+        "directory) and write the plain model's state_dict() to OUT: a folder gets Hugging Face's "
+        "sharded layout (model-00001-of-0000N.safetensors and model.safetensors.index.json, read and "
+        "written one shard at a time), a name ending in .safetensors one file, for model.load_state_dict.",
+        epilog="example: varuna consolidate runs/gpt out/gpt --max-shard-size 2GB",
     )
     consolidate.add_argument(
         "checkpoint", type=Path, metavar="CHECKPOINT", help="step, checkpoints/ or run dir"
     )
-    consolidate.add_argument("out", type=Path, metavar="OUT", help="the .safetensors file to write")
+    consolidate.add_argument(
+        "out", type=Path, metavar="OUT", help="a folder (sharded), or the .safetensors file to write"
+    )
+    consolidate.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="the largest shard, e.g. 5GB, 200MB or 10MiB (GB is 10**9 bytes, as in Hugging Face; "
+        "default 5GB); with one file, the most read from the checkpoint at once",
+    )
 
 
 def _consolidate(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from varuna.checkpoint.consolidation import consolidate, find_checkpoint
+    from varuna.checkpoint.consolidation import consolidate, find_checkpoint, shard_limit, written_files
 
+    limit = shard_limit(args.max_shard_size)
     source = find_checkpoint(args.checkpoint)
-    out = consolidate(source, args.out)
-    with safe_open(str(out), framework="pt") as f:
-        n = len(list(f.keys()))
-    print(f"varuna: wrote {out} ({n} tensors, {out.stat().st_size} bytes) from {source}")
+    out = consolidate(source, args.out, max_shard_size=limit)
+    files = written_files(out)
+    tensors = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as opened:
+            tensors += len(list(opened.keys()))
+    nbytes = sum(f.stat().st_size for f in files)
+    what = f"{len(files)} safetensors files" if len(files) > 1 else "1 safetensors file"
+    print(f"varuna: wrote {out} ({what}, {tensors} tensors, {nbytes} bytes) from {source}")
     return 0
 
 

@@ -11,6 +11,7 @@ it. One job per world size (tests/scripts/meta_worker.py), both started at once.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import SCRIPTS
+from _helpers import REPO, SCRIPTS
 
 import varuna
 
@@ -124,3 +125,45 @@ def test_rotary_inv_freq_is_recomputed_not_left_unset(jobs: Path) -> None:
     for tag in ("llama-4x1-1f1b", "llama-4x1-init", "llama-2x2-varuna"):
         for r in _ranks(jobs / tag):
             torch.testing.assert_close(r["buffers"]["model.rotary_emb.inv_freq"], want, rtol=0, atol=0)
+
+
+def _doc_blocks() -> dict[str, str]:
+    """docs/big-models.md's examples, by their marker (`<!-- docs example N: HOW -->`)."""
+    text = (REPO / "docs" / "big-models.md").read_text()
+    blocks = {}
+    for part in text.split("<!-- docs example ")[1:]:
+        how = part.split(" -->", 1)[0].split(": ", 1)[1]
+        blocks[how + f" #{len(blocks) + 1}"] = part.split("```python\n", 1)[1].split("```", 1)[0]
+    return blocks
+
+
+def test_the_big_models_guide_runs_as_written(tmp_path: Path, varuna_run) -> None:
+    """Write weights, train a meta-built Llama from them at P = 2, consolidate into shards that
+    transformers loads: the guide's three examples, as a user runs them."""
+    blocks = _doc_blocks()
+    assert list(blocks) == ["python #1", "varuna run --pipeline 2 #2", "python #3"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    for name, code in blocks.items():
+        script = tmp_path / f"example{name[-1]}.py"
+        script.write_text(code)
+        if name.startswith("varuna run"):
+            done = varuna_run(
+                [script], pipeline=2, run_dir=tmp_path / "runs" / "llama", cwd=tmp_path, timeout=200
+            )
+            assert "trained 3 steps, loss" in done.stdout
+            assert "stage 0: " in done.stdout and "stage 1: " in done.stdout
+        else:
+            proc = subprocess.run(
+                [sys.executable, str(script)],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+            )
+            assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(list((tmp_path / "llama-weights").glob("model-*.safetensors"))) > 1
+    shards = list((tmp_path / "llama-trained").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "llama-trained" / "config.json").exists()
+    assert "loaded" in proc.stdout
