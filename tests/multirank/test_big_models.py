@@ -167,3 +167,23 @@ def test_the_big_models_guide_runs_as_written(tmp_path: Path, varuna_run) -> Non
     shards = list((tmp_path / "llama-trained").glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "llama-trained" / "config.json").exists()
     assert "loaded" in proc.stdout
+
+
+def test_a_4x1_checkpoint_consolidates_into_shards_that_from_pretrained_loads(
+    jobs: Path, tmp_path: Path
+) -> None:
+    import transformers
+
+    ranks = _ranks(jobs / "llama-4x1-1f1b")
+    trained = {n: v for r in ranks for n, v in r["params"].items()}
+    out = varuna.consolidate(
+        jobs / "llama-4x1-1f1b" / "checkpoints",
+        tmp_path / "llama",
+        config=build("llama").config,
+        max_shard_size="20KB",
+    )
+    assert len(list(out.glob("model-*.safetensors"))) >= 3 and (out / "config.json").exists()
+    model = transformers.LlamaForCausalLM.from_pretrained(out)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), trained[name], rtol=0, atol=0, msg=name)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again, as the config says

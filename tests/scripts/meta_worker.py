@@ -7,7 +7,7 @@ For each P x D of hf_common.CONFIGS[W] (a world-4 job serves 2x2 and 4x1): Llama
 `torch.device("meta")`, loaded with `weights=` from WEIGHTS_ROOT/<kind> (a sharded folder written
 by `save_pretrained`) under two schedules; at 2x1 and 4x1 also without weights (the seeded init),
 recording each rank's parameters before the first step. OUT/<tag>/rank<r>.pt holds the losses, the
-parameters before and after, and the rank's stage.
+parameters before and after, and the rank's stage; the 4x1 Llama under 1F1B also checkpoints.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def train(where: Path, kind: str, P: int, D: int, schedule: str, weights: Path |
     }
     where.mkdir(parents=True, exist_ok=True)
     torch.save(record, where / f"rank{engine.rank}.pt")
+    if where.name == "llama-4x1-1f1b":  # for varuna consolidate -> shards -> from_pretrained
+        engine.checkpoint(where / "checkpoints")
     engine.close()
 
 

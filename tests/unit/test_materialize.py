@@ -205,3 +205,18 @@ def test_our_own_models_build_on_meta_and_match_their_plain_init() -> None:
     varuna.init_weights(again, seed=5)
     for (name, a), b in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_meta_model_resumes_from_a_checkpoint(tmp_path: Path) -> None:
+    engine = _engine(_meta_gpt(), run_dir=tmp_path / "run")
+    engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+    cfg = gpt_tiny()
+    data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 8)
+    engine.step(engine.batch(data, 0))
+    engine.checkpoint()
+    trained = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    engine.close()
+    again = _engine(_meta_gpt(), run_dir=tmp_path / "run", resume="latest")
+    assert again.step_count == 1
+    for name, p in again.named_parameters():
+        torch.testing.assert_close(p.detach(), trained[name], rtol=0, atol=0, msg=name)
