@@ -27,6 +27,7 @@ from typing import Any
 from varuna.comm.rendezvous import init_distributed, launch_env
 from varuna.engine.config import check_options
 from varuna.engine.engine import Varuna as _Engine
+from varuna.engine.materialize import is_meta
 from varuna.errors import ConfigError, PlanError
 from varuna.planner.auto import PROFILE_FILE, AutoChoice, Fixed, device_memory, plan_for, profile_sizes
 from varuna.planner.costs import CostTable, model_signature
@@ -106,7 +107,14 @@ def choose(
     signature = model_signature(model)
     question = {"signature": signature, "precision": precision, "world": world, "fixed": fixed}
     table, why = _cached(path, **question) if rank == 0 else (None, "")
-    measure = _broadcast(table is None, world)
+    measure, why = _broadcast((table is None, why), world)
+    if measure and is_meta(model):
+        raise PlanError(
+            f"pipeline='auto' profiles the model in one process, but this model is on the meta device "
+            f"(nothing to time) and {path or 'the run directory'} holds no profile of it ({why or 'no run_dir'}). "
+            "Give pipeline= and data= (a meta model is balanced by parameter counts), or profile the real "
+            "model once where it fits (`varuna profile`) and keep its profile.json in the run directory"
+        )
     if measure:
         if rank == 0:
             print(f"varuna: pipeline='auto': profiling the model ({why})", flush=True)

@@ -187,3 +187,12 @@ def test_a_4x1_checkpoint_consolidates_into_shards_that_from_pretrained_loads(
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), trained[name], rtol=0, atol=0, msg=name)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again, as the config says
+
+
+def test_pipeline_auto_refuses_a_meta_model_without_a_profile(jobs: Path) -> None:
+    messages = {p.read_text() for p in jobs.glob("auto-error-rank*.txt")}
+    assert len(list(jobs.glob("auto-error-rank*.txt"))) == 2 and len(messages) == 1
+    assert (
+        "pipeline='auto' profiles the model in one process, but this model is on the meta device"
+        in messages.pop()
+    )

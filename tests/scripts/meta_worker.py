@@ -6,12 +6,14 @@ For each P x D of hf_common.CONFIGS[W] (a world-4 job serves 2x2 and 4x1): Llama
 `inv_freq`, a non-persistent buffer) and GPT-2 (tied embeddings), built under
 `torch.device("meta")`, loaded with `weights=` from WEIGHTS_ROOT/<kind> (a sharded folder written
 by `save_pretrained`) under two schedules; at 2x1 and 4x1 also without weights (the seeded init),
-recording each rank's parameters before the first step. OUT/<tag>/rank<r>.pt holds the losses, the
+recording each rank's parameters before the first step. World 2 also asks for pipeline="auto" (refused:
+a meta model cannot be profiled). OUT/<tag>/rank<r>.pt holds the losses, the
 parameters before and after, and the rank's stage; the 4x1 Llama under 1F1B also checkpoints.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from hf_common import CONFIGS, GLOBAL_BATCH, MICRO_BATCH, STEPS, Data, build, op
 
 from varuna import Varuna, auto_cut  # noqa: E402
 from varuna.data import collate  # noqa: E402
+from varuna.errors import PlanError  # noqa: E402
 
 META_MODELS = ("llama", "gpt2")
 META_SCHEDULES = ("1f1b", "varuna")
@@ -69,3 +72,17 @@ if __name__ == "__main__":
                 train(out / f"{kind}-{P}x{D}-{schedule}", kind, P, D, schedule, weights_root / kind)
             if D == 1:
                 train(out / f"{kind}-{P}x{D}-init", kind, P, D, "1f1b", None)
+    if world == 2:  # pipeline="auto" cannot profile a meta model: the same typed error on every rank
+        with torch.device("meta"):
+            model = build("llama")
+        auto_cut(model)
+        data = Data("llama")
+        try:
+            Varuna(
+                model,
+                global_batch_size=GLOBAL_BATCH,
+                pipeline="auto",
+                example_batch=collate([data[0], data[1]]),
+            )
+        except PlanError as exc:
+            (out / f"auto-error-rank{os.environ.get('PMI_RANK', '0')}.txt").write_text(str(exc))
