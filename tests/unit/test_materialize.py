@@ -220,3 +220,35 @@ def test_a_meta_model_resumes_from_a_checkpoint(tmp_path: Path) -> None:
     assert again.step_count == 1
     for name, p in again.named_parameters():
         torch.testing.assert_close(p.detach(), trained[name], rtol=0, atol=0, msg=name)
+
+
+class _Routed(nn.Module):
+    """A forward whose shapes depend on values (as a mixture of experts' routing): no meta kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.cut = varuna.CutPoint()
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.cut(self.a(x))
+        return self.b(h[h.sum(-1) > 0]).sum()
+
+
+def test_a_forward_the_meta_device_cannot_run_is_checked_without_its_activations(caplog) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+    engine = Varuna(_Routed(), global_batch_size=4, micro_batch_size=2, example_batch={"x": x})
+    est = engine.memory_estimate
+    assert est.activations == 0 and est.params == sum(p.numel() * 4 for p in engine.parameters())
+    assert est.note is not None and est.note.startswith(
+        "activations not counted: the forward does not run on the meta"
+    )
+    assert "memory check of rank 0 (stage 0, replica 0): activations not counted" in caplog.text
+    with pytest.raises(
+        MemoryLimitError, match=r"\(activations not counted: the forward does not run on the meta"
+    ):
+        Varuna(
+            _Routed(), global_batch_size=4, micro_batch_size=2, example_batch={"x": x}, memory_limit="1KiB"
+        )

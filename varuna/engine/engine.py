@@ -156,7 +156,7 @@ class Varuna:
         # before anything of the stage's size is allocated: a shape that cannot fit is refused here
         self.memory_estimate = rank_estimate(
             model, micro, self.trace, self.partition, cfg, lowered, chunk_stages=self.chunk_stages,
-            rank_of=rank_of, device=self.device, autocast=self.autocast,
+            rank_of=rank_of, device=self.device, autocast=self.autocast, where=self.where,
         )  # fmt: skip
         check_memory(self.memory_estimate, where=self.where, config=cfg)
         owned = {n for v in self.chunk_stages for n in self.partition.stage_params[v]}

@@ -16,6 +16,7 @@ meta model) counts against the limit too.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,11 +29,12 @@ from varuna.cut.partition import Partition, Trace
 from varuna.engine.config import VarunaConfig
 from varuna.errors import MemoryLimitError
 from varuna.planner.memory import format_bytes, parse_memory, stage_memory
-from varuna.profile.memory import OPTIMIZER_STATE_BYTES, memory_segments
+from varuna.profile.memory import OPTIMIZER_STATE_BYTES, MetaForwardError, memory_segments
 from varuna.schedule import WORK_KINDS, Action, peak_inflight, pull_ahead_room, schedule_spec
 
 __all__ = ["MemoryEstimate", "rank_estimate", "memory_limit", "resident_bytes", "check"]
 
+log = logging.getLogger("varuna.memory")
 _UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 WORKING_BYTES = 64 * 2**20
 """What a rank's first step adds beyond its stage's tensors on CPU (the benchmark page of
@@ -61,6 +63,9 @@ class MemoryEstimate:
     limit_source: str
     stage_bytes: list[int]
     """Per virtual stage this rank holds (one entry unless the schedule gives it several chunks)."""
+    note: str | None = None
+    """Why a part is missing from the estimate (the activations of a forward the meta device cannot
+    run), or None."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,13 +156,23 @@ def rank_estimate(
     rank_of: Callable[[int], int],
     device: torch.device,
     autocast: Any = None,
+    where: str = "this rank",
 ) -> MemoryEstimate:
     """This rank's expected peak (`MemoryEstimate`) for the partition and schedule chosen."""
     e = config.engine
     per_param = OPTIMIZER_STATE_BYTES[e.optimizer_state]
     sizes = {p.element_size() for p in model.parameters()} or {4}
     opt_bytes = per_param * max(sizes)  # the optimizer's state is in the parameters' dtype
-    segs, tied = memory_segments(model, micro, trace, optimizer_bytes_per_param=opt_bytes, autocast=autocast)
+    note = None
+    try:
+        segs, tied = memory_segments(
+            model, micro, trace, optimizer_bytes_per_param=opt_bytes, autocast=autocast
+        )
+    except MetaForwardError as exc:
+        # the state is still known; the activations are not: checked without them, and said so
+        segs, tied = memory_segments(model, None, trace, optimizer_bytes_per_param=opt_bytes)
+        note = f"activations not counted: the forward does not run on the meta device ({exc})"
+        log.warning("varuna: memory check of %s: %s", where, note)
     ranges = [partition.stage_segments(v) for v in range(partition.num_stages)]
     inflight = _inflight(schedule, partition.num_stages, config, rank_of)
     mbs = next(iter(segs[0].activation_memory_bytes))
@@ -190,6 +205,7 @@ def rank_estimate(
         limit=limit,
         limit_source=source,
         stage_bytes=mine,
+        note=note,
     )
 
 
@@ -219,4 +235,5 @@ def check(estimate: MemoryEstimate, *, where: str, config: VarunaConfig) -> None
             if len(estimate.stage_bytes) > 1
             else ""
         )
+        + (f" ({estimate.note})" if estimate.note else "")
     )

@@ -27,10 +27,16 @@ from varuna.cut.cutpoint import CutPoint, _handling
 from varuna.cut.partition import FollowMeta, Trace
 from varuna.planner.costs import SegmentCost
 
-__all__ = ["param_split", "memory_segments", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["param_split", "memory_segments", "MetaForwardError", "OPTIMIZER_STATE_BYTES"]
 
 OPTIMIZER_STATE_BYTES = {"adam": 2, "momentum": 1, "none": 0}
 """Optimizer state per parameter, in parameters' worth of bytes (`EngineConfig.optimizer_state`)."""
+
+
+class MetaForwardError(RuntimeError):
+    """The model's forward does not run on the meta device (an op without a meta kernel, or one whose
+    output shape depends on values, as a mixture of experts' routing): the activations cannot be
+    measured there."""
 
 
 def param_split(
@@ -105,7 +111,10 @@ def memory_segments(
     split, tied = param_split(model, trace.param_segments, k + 1, optimizer_bytes_per_param)
     segments = _Segments(set(), k + 1)
     if micro is not None:
-        _saved_bytes(model, micro, segments, autocast)
+        try:
+            _saved_bytes(model, micro, segments, autocast)
+        except (RuntimeError, NotImplementedError) as exc:  # an op with no meta kernel, or data-dependent
+            raise MetaForwardError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
     mbs = _batch_len(micro) if micro is not None else 1
     return [
         SegmentCost(
