@@ -34,7 +34,7 @@ class LocalLink:
         self._activations.clear()
         self._grads.clear()
 
-    def send_activation(self, mb: int, value: Value) -> None:
+    def send_activation(self, mb: int, value: Value, *, grad: bool = True) -> None:
         tensors, is_tuple = flatten_value(value)
         out = [t.detach().requires_grad_() if t.is_floating_point() else t.detach() for t in tensors]
         self._activations[mb] = tuple(out) if is_tuple else out[0]

@@ -393,8 +393,10 @@ class P2P:
                 t.requires_grad_()
         return tuple(tensors) if pending.is_tuple else tensors[0]
 
-    def send_activation(self, mb: int, value: Value) -> None:
-        """Send the value at this stage's end cut, and post the receives for its gradients."""
+    def send_activation(self, mb: int, value: Value, *, grad: bool = True) -> None:
+        """Send the value at this stage's end cut, and post the receives for its gradients (none
+        without `grad`: evaluation sends no gradient back, and a receive left posted would take the
+        next step's)."""
         assert self.next is not None
         tensors, sig = outgoing(value)
         last = self._last_out.get(mb)
@@ -430,6 +432,9 @@ class P2P:
             self._last_out[mb] = sig
             if not early:
                 self._send_data(mb, _LATE, tensors)
+        if not grad:
+            self.comm_s += time.perf_counter() - t0
+            return
         grads = [torch.empty_like(t) for t in tensors if _floating(t)]
         works = [
             dist.irecv(g, self.next, tag=self._out + mb * _SLOTS + _GRAD + i, group=self._out_grad)

@@ -433,7 +433,9 @@ class SerialLink:
                 t.requires_grad_()
         return tuple(tensors) if self.courier.cut(self.stage, mb)[0] else tensors[0]
 
-    def send_activation(self, mb: int, value: Value) -> None:
+    def send_activation(self, mb: int, value: Value, *, grad: bool = True) -> None:
+        """Send it (its gradient comes in a message of its own, received when asked for: nothing
+        is posted for it here, with `grad` or without)."""
         assert self.next is not None
         tensors, sig = outgoing(value)
         known = self.courier.cut(self.stage + 1, mb)

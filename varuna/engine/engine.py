@@ -38,6 +38,8 @@ from varuna.elastic.protocol import MORPH_EXIT, StopRequest
 from varuna.engine import stage as _stage
 from varuna.engine import train_state as _train_state
 from varuna.engine.config import VarunaConfig
+from varuna.engine.evaluate import Evaluation, MetricsFn
+from varuna.engine.evaluate import evaluate as _evaluate
 from varuna.engine.materialize import InitFn, is_meta, materialize, require_init
 from varuna.engine.precision import LossScaler, autocast_policy
 from varuna.engine.preflight import check as check_memory
@@ -46,7 +48,7 @@ from varuna.engine.refit import OrderRefit
 from varuna.engine.runtime import Chunk, StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError
 from varuna.planner.costs import model_signature
-from varuna.schedule import Action, build_schedule, schedule_spec
+from varuna.schedule import Action, build_schedule, forward_only, schedule_spec
 from varuna.telemetry.recorder import Telemetry  # telemetry
 
 __all__ = ["Varuna"]
@@ -193,6 +195,7 @@ class Varuna:
             cfg, lowered, self.chunk_stages, rank_of, rank=self.rank, stage=self.stage, replica=self.replica,
             device=self.device,
         )  # fmt: skip
+        self._courier, self._rank_of = courier, rank_of
         self._refit = OrderRefit.create(cfg, rank_of, stage=self.stage, chunk_stages=self.chunk_stages,
                                         courier=courier, device=self.device)  # fmt: skip
         names = cut_names(model)
@@ -413,6 +416,31 @@ class Varuna:
             self.checkpoint()  # telemetry
             self._telemetry.checkpoint_done(self.last_checkpoint)  # telemetry
         return loss
+
+    def evaluate(self, data: Any, *, metrics: MetricsFn | None = None) -> Evaluation:
+        """Collective: the model's mean loss (and summed `metrics`) over `data`, forwards only, on
+        every rank; `varuna.engine.evaluate` says which samples each replica reads.
+
+            result = engine.evaluate(val_set)          # result.loss, result.samples, result.metrics
+        """
+        return _evaluate(self, data, metrics)
+
+    def _eval_actions(self, num_microbatches: int) -> list[Action]:
+        """This rank's forward-only actions for `num_microbatches`; serial links are replanned for
+        them (`_eval_done` puts the training plan back)."""
+        P = self.config.engine.pipeline
+        lists = forward_only(self.config.engine.schedule, P, num_microbatches)
+        if self._courier is not None:
+            from varuna.comm.serial import plan
+
+            self._courier.replan(plan(lists, self._rank_of, self.stage, self.rank))
+        return lists[self.stage]
+
+    def _eval_done(self) -> None:
+        if self._courier is not None:
+            from varuna.comm.serial import plan
+
+            self._courier.replan(plan(self.schedule, self._rank_of, self.stage, self.rank))
 
     # checkpoints -------------------------------------------------------------------------------
     def checkpoint(self, root: str | Path | None = None) -> Path:

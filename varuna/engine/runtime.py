@@ -222,6 +222,7 @@ class StageRuntime:
             for c in chunks
         }
         self._current: _ChunkRun | None = None
+        self._result: Any = None
         if len(chunks) > 1:
             guard_chunks(model, device, traced or {}, self.before_cut, cut_index)
 
@@ -292,6 +293,42 @@ class StageRuntime:
         self.times.idle_s = sum(link.idle_s for link in self.links) - idle0
         self.times.comm_s += sum(link.comm_s for link in self.links) - comm0
         return self.losses, self.times
+
+    def evaluate(
+        self,
+        actions: list[Action],
+        micro: Sequence[Mapping[str, Any]],
+        on_result: Callable[[int, torch.Tensor, Any], None],
+    ) -> None:
+        """Forward-only over `micro` (`varuna.schedule.forward_only`): no gradients, and nothing held
+        once sent. On the last stage `on_result(m, loss, result)` gets each micro-batch's loss and
+        what the model returned. The caller sets the model's mode (eval) and the links' plan."""
+        self.micro = micro
+        for link in self.links:
+            link.begin_step(micro)
+        probe = sorted({m for link in self.links for m in link.shape_probe()})
+        if probe:
+            self._probe_shapes(probe)
+        for action in actions:
+            c, m = self.chunks[action.stage], action.microbatch or 0
+            try:
+                if action.kind == "RECV_F":
+                    c.inputs[m] = c.up.recv_activation(m)
+                elif action.kind == "F":
+                    out = self._forward(c, m, c.inputs.pop(m, None), grad=False)
+                    if c.last:
+                        on_result(m, out.detach(), self._result)
+                    else:
+                        c.outputs[m] = out
+                elif action.kind == "SEND_F":
+                    c.down.send_activation(m, c.outputs.pop(m), grad=False)
+                else:
+                    raise ValueError(f"evaluation runs forwards only, not {action}")
+            except BaseException as exc:
+                exc.add_note(f"varuna: raised on {self.where} while evaluating (action {action})")
+                raise
+        self._flush()
+        self.finish()
 
     def _probe_shapes(self, mbs: list[int]) -> None:
         """Send micro-batches `mbs` through the pipeline once, stage after stage, without gradients,
@@ -459,6 +496,7 @@ class StageRuntime:
         finally:
             self._current = None
         if c.last:
+            self._result = result  # what the model returned, for evaluation's metrics
             loss = model_loss(result)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or origin_of(loss) is not None:
                 raise self._bad_result(c, loss)

@@ -36,7 +36,7 @@ from varuna.schedule.actions import (
     Span,
     format_grid,
 )
-from varuna.schedule.build import build_schedule, make_schedule
+from varuna.schedule.build import build_schedule, forward_only, make_schedule
 from varuna.schedule.check import validate
 from varuna.schedule.orders import (
     SCHEDULES,
@@ -64,6 +64,7 @@ __all__ = [
     "SCHEDULES",
     "schedule_spec",
     "build_schedule",
+    "forward_only",
     "Action",
     "Span",
     "COMPUTE_KINDS",

@@ -10,9 +10,9 @@ from varuna.schedule.actions import Action, Schedule, check_sizes
 from varuna.schedule.check import validate
 from varuna.schedule.chunked import Costs
 from varuna.schedule.orders import ScheduleName, schedule_spec
-from varuna.schedule.passes import add_recompute, lower, split_backwards
+from varuna.schedule.passes import add_communication, add_recompute, lower, split_backwards
 
-__all__ = ["make_schedule", "build_schedule"]
+__all__ = ["make_schedule", "build_schedule", "forward_only"]
 
 
 def build_schedule(
@@ -63,3 +63,20 @@ def make_schedule(
         recompute = spec.recompute
     last = num_stages * spec.chunks_per_rank - 1
     return add_recompute(schedule, range(last)) if recompute else schedule
+
+
+def forward_only(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Evaluation's action lists (`Varuna.evaluate`): forwards only, with their receives and sends,
+    micro-batch by micro-batch and, within one, each of a rank's chunks in data-flow order; sends do
+    not block, so every receive's send comes earlier in some rank's list.
+
+    >>> [str(a) for a in forward_only("1f1b", 2, 2)[1]]
+    ['1RECV_F0', '1F0', '1RECV_F1', '1F1']
+    """
+    spec = schedule_spec(name)
+    return add_communication(
+        {
+            p: [Action(v, "F", m) for m in range(num_microbatches) for v in spec.stages_of(p, num_stages)]
+            for p in range(num_stages)
+        }
+    )
