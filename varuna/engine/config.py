@@ -81,6 +81,11 @@ class EngineConfig:
     "momentum" one (SGD with momentum), "none" (plain SGD); the state is in the parameters' dtype."""
     clip_grad_norm: float | None = None
     """Clip gradients by their global norm over all stages (None: no clipping)."""
+    on_nonfinite: Literal["raise", "skip"] = "raise"
+    """A NaN or Inf loss or gradient (fp32, bf16): "raise" stops before the optimizer with a
+    NonFiniteError naming the step, stage and module where it first appeared
+    (`varuna.engine.nonfinite`); "skip" skips that update and counts it (`engine.nonfinite_steps`).
+    fp16 skips such steps through its loss scaler either way."""
     bucket_mb: float = 25.0
     """Size of the data-parallel all-reduce buckets."""
     init_loss_scale: float = 2.0**16
@@ -112,6 +117,10 @@ class EngineConfig:
         elif not all(isinstance(b, int) for b in self.partition):
             raise ConfigError(
                 f"partition={list(self.partition)!r} must be a list of integer CutPoint indices"
+            )
+        if self.on_nonfinite not in ("raise", "skip"):
+            raise ConfigError(
+                f"on_nonfinite={self.on_nonfinite!r}: use 'raise' (stop with an error) or 'skip'"
             )
         if self.optimizer_state not in ("adam", "momentum", "none"):
             raise ConfigError(

@@ -35,6 +35,7 @@ from varuna.comm.buckets import GradBuckets
 from varuna.cut.partition import cut_names
 from varuna.data import batch_len, slice_batch
 from varuna.elastic.protocol import MORPH_EXIT, StopRequest
+from varuna.engine import nonfinite as _nonfinite
 from varuna.engine import stage as _stage
 from varuna.engine import train_state as _train_state
 from varuna.engine.config import VarunaConfig
@@ -59,6 +60,14 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _step_scheduler(scheduler: Any, loss: float) -> None:
+    """Step an LR scheduler; one that takes a metric (`ReduceLROnPlateau`) gets the step's loss."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(loss)
+    else:
+        scheduler.step()
 
 
 class Varuna:
@@ -221,6 +230,8 @@ class Varuna:
         self.lr_scheduler: Any = None
         self.step_count = 0
         self.last_step_skipped = False
+        self.nonfinite_steps = 0
+        """Steps whose update was skipped for a NaN or Inf (`on_nonfinite="skip"`)."""
         self.last_grad_norm: float | None = None
         self.last_times: StepTimes | None = None
         self.history: list[dict[str, float]] = []
@@ -372,8 +383,18 @@ class Varuna:
         want_ckpt = bool(flags[3] > 0)  # telemetry: a controller's checkpoint command, agreed by all ranks
         self.should_stop = stop
         overflow = self.scaler is not None and not math.isfinite(total_sq)
-        self.last_step_skipped = overflow
-        if overflow:
+        nonfinite = self.scaler is None and not (math.isfinite(loss) and math.isfinite(total_sq))
+        if nonfinite and cfg.engine.on_nonfinite == "raise":  # every rank agrees: the flags are reduced
+            origin = _nonfinite.diagnose(self, micro)
+            raise _nonfinite.NonFiniteError(_nonfinite.describe(self.step_count, loss, total_sq, origin))
+        if nonfinite:
+            self.nonfinite_steps += 1
+            if self.rank == 0:
+                _nonfinite.note_skip(self.step_count, loss, total_sq, self.where)
+        self.last_step_skipped = overflow or nonfinite
+        if nonfinite:
+            self.last_grad_norm = None
+        elif overflow:
             assert self.scaler is not None
             self.scaler.update(True)
             self.last_grad_norm = None
@@ -389,7 +410,7 @@ class Varuna:
                 t_opt = time.perf_counter()
                 self.optimizer.step()
                 if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
+                    _step_scheduler(self.lr_scheduler, loss)
                 times.compute_s += time.perf_counter() - t_opt
             if self.scaler is not None:
                 self.scaler.update(False)
