@@ -222,3 +222,24 @@ def test_the_readme_example_trains_at_2x2(jobs: dict[str, object]) -> None:
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5
     run = next(iter(jobs["out"].parent.glob("readme")))  # type: ignore[union-attr]
     assert list(run.glob("checkpoints/step-00000010"))
+
+
+@pytest.mark.timeout(200)
+def test_hugging_face_gradient_checkpointing_trains_equal_to_plain_at_2x1(tmp_path: Path, varuna_run) -> None:
+    """`gradient_checkpointing_enable()` (torch.utils.checkpoint inside each block) under the
+    pipeline: the same losses and parameters as plain training without it, each block recomputed
+    once per micro-batch (a split backward would recompute it for each half: the engine turns the
+    split off for such a model)."""
+    varuna_run(
+        [SCRIPTS / "hf_checkpointing_train.py", tmp_path / "out"],
+        pipeline=2,
+        run_dir=tmp_path / "run",
+        env={"TRANSFORMERS_VERBOSITY": "error"},
+        timeout=180,
+    )
+    ranks = [torch.load(f, weights_only=True) for f in sorted((tmp_path / "out").glob("rank*.pt"))]
+    assert len(ranks) == 2
+    for r in ranks:  # a block's attention ran twice per micro-batch: its forward, and again in the backward
+        assert r["block_calls"] == 2 * r["forwards"], r["block_calls"]
+    torch.set_num_threads(1)
+    _assert_equal_to(ranks, *reference("gpt2"))

@@ -17,6 +17,7 @@ and the resume itself, are in `varuna.engine.train_state`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -53,6 +54,8 @@ from varuna.schedule import Action, build_schedule, forward_only, schedule_spec
 from varuna.telemetry.recorder import Telemetry  # telemetry
 
 __all__ = ["Varuna"]
+
+log = logging.getLogger("varuna")
 
 
 def _device() -> torch.device:
@@ -125,6 +128,11 @@ class Varuna:
             **options,
         )
         cfg = self.config
+        if cfg.engine.split_backward and getattr(model, "is_gradient_checkpointing", False):
+            # torch.utils.checkpoint recomputes its region for every backward pass through it: a
+            # split backward (input half, then weight half) would recompute each block twice more
+            cfg.engine.split_backward = False
+            log.info("varuna: the model uses gradient checkpointing: split_backward is off")
         P, D = cfg.engine.pipeline, cfg.engine.data
         if self.world_size != P * D:
             raise ConfigError(
@@ -300,19 +308,67 @@ class Varuna:
         """Ask every rank to stop after the current step (the morph protocol; see varuna.elastic.protocol)."""
         self.stop_request.set(reason)
 
-    def batch(self, dataset: Any, step: int, *, seed: int = 0, shuffle: bool = True) -> dict[str, Any]:
-        """This replica's share of step `step`'s global batch from a map-style dataset."""
-        from varuna.data import ReplicaLoader
+    def batch(
+        self,
+        dataset: Any,
+        step: int,
+        *,
+        seed: int = 0,
+        shuffle: bool | None = None,
+        collate_fn: Any = None,
+    ) -> dict[str, Any]:
+        """This replica's share of step `step`'s global batch (the rules are in `varuna.data`).
 
-        loader = ReplicaLoader(
+        A map-style dataset is sampled by `sample_indices` (shuffled unless `shuffle=False`, by
+        `seed`); an iterable one is read as one stream in its own order, through an iterator kept per
+        dataset that moves on with the steps (an earlier step restarts it). `collate_fn` (a
+        `varuna.data.CollateFn`: list of samples -> batch dict) replaces `varuna.data.collate`.
+        """
+        from varuna.data import Loaders
+
+        loaders = getattr(self, "_data_loaders", None)
+        if loaders is None:  # made on first use; only a stream's position is kept
+            loaders = self._data_loaders = Loaders(
+                global_batch_size=self.config.engine.global_batch_size,
+                replica=self.replica,
+                data_parallel=self.config.engine.data,
+            )
+        return loaders.get(dataset, seed=seed, shuffle=shuffle, collate_fn=collate_fn).batch(step)
+
+    def batches(
+        self,
+        dataset: Any,
+        start: int | None = None,
+        stop: int | None = None,
+        *,
+        prefetch: int = 1,
+        seed: int = 0,
+        shuffle: bool | None = None,
+        collate_fn: Any = None,
+    ) -> Iterator[dict[str, Any]]:
+        """This replica's batches of steps `start` (default: `step_count`, where a resume continues)
+        up to `stop` (default: forever, or to a stream's end), read `prefetch` steps ahead by one
+        background thread (0: none).
+
+            for batch in engine.batches(dataset, stop=steps):
+                engine.step(batch)
+
+        The same batches as `batch(dataset, step)` for each step. The iterator has its own loader (a
+        stream is skipped to `start` once); closing or dropping it stops the thread. An exception
+        reading step k's batch is raised when the loop asks for step k's batch.
+        """
+        from varuna.data import open_loader, prefetched
+
+        loader = open_loader(
             dataset,
             global_batch_size=self.config.engine.global_batch_size,
             replica=self.replica,
             data_parallel=self.config.engine.data,
             seed=seed,
             shuffle=shuffle,
+            collate_fn=collate_fn,
         )
-        return loader.batch(step)
+        return prefetched(loader, self.step_count if start is None else start, stop, depth=prefetch)
 
     def step(self, batch: Mapping[str, Any]) -> float:
         """Forward and backward over this replica's micro-batches, reduce, step; the global mean loss."""
