@@ -30,7 +30,18 @@ __all__ = [
     "CheckpointError",
     "MemoryLimitError",
 ]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source. Read on first use of
+    ``varuna.__version__`` (importlib.metadata costs tens of milliseconds that `import varuna` need not pay)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("varuna")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
 
 _WHERE = {
     "CutPoint": "varuna.cut.cutpoint",
@@ -55,6 +66,8 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
+    __version__: str
+
     from varuna import data
     from varuna.auto import Varuna
     from varuna.checkpoint.consolidation import consolidate
@@ -74,6 +87,9 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        globals()[name] = value = _version()
+        return value
     if name == "data":
         return importlib.import_module("varuna.data")
     if name == "simulate":  # the simulator's module, by the path it had before varuna.planner existed

@@ -17,6 +17,23 @@ __all__ = ["main", "build_parser"]
 EXAMPLE = "example: varuna run --pipeline 2 --data 2 train.py --lr 3e-4   (or: ... -m mypkg.train --lr 3e-4)"
 
 
+class _Version(argparse.Action):
+    """``varuna --version``: ``varuna 0.1.0 (torch 2.13.0+cpu)``, read from the installed metadata, so
+    torch's version comes without importing torch (a second or more)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        import varuna
+
+        try:
+            torch = f"torch {version('torch')}"
+        except PackageNotFoundError:
+            torch = "torch not installed"
+        print(f"varuna {varuna.__version__} ({torch})")  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``varuna`` with its subcommands."""
     return _parsers()[0]
@@ -25,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and the ``run`` subparser."""
     parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training.")
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="print varuna's and torch's versions and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run",

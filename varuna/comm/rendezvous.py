@@ -33,10 +33,13 @@ world from ``SLURM_STEP_NUM_TASKS``; rank 0 starts the store and writes its addr
 read as this one's), and the others read it there: the run directory is on the shared filesystem.
 
 ``import varuna.comm.rendezvous`` never imports mpi4py: a plain ``python train.py`` must not start MPI.
+mpi4py is the optional ``varuna[mpi]`` extra, since only mpiexec's ranks meet through it; a rank that
+mpiexec starts without it fails with a LaunchError that names the install (`check_mpi4py`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -61,6 +64,7 @@ __all__ = [
     "group_timeout",
     "shutdown",
     "finalize_mpi",
+    "check_mpi4py",
     "env_rank",
     "select_backend",
 ]
@@ -183,7 +187,21 @@ def _under_mpi() -> bool:
     return bool(mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1)
 
 
+def check_mpi4py() -> None:
+    """A LaunchError naming the install when mpi4py, through which mpiexec's ranks meet, is missing.
+
+    Called by the rank that needs it and by the launcher before it starts mpiexec, so the fix comes
+    once, before any rank runs."""
+    if sys.modules.get("mpi4py") is None and importlib.util.find_spec("mpi4py") is None:
+        raise LaunchError(
+            f"mpi4py is not installed in this environment ({sys.prefix}), and the ranks mpiexec starts meet "
+            'through it: `pip install "varuna[mpi]"` (mpi4py and MPICH), or `pip install mpi4py` beside '
+            "your cluster's MPI; torchrun and srun launches need neither"
+        )
+
+
 def _import_mpi() -> Any:
+    check_mpi4py()
     import mpi4py
 
     if "mpi4py.MPI" not in sys.modules:

