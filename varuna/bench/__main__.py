@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin | faults) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin | memory | faults) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -44,6 +44,15 @@ BENCHES = {
         "gap between the predicted-best and the measured-best configuration.",
         "tiny model, one round: a smoke run",
     ),
+    "memory": (
+        "each rank's memory when no rank holds the whole model, the estimate's error, the largest fit",
+        "A ~350M-parameter transformers Llama built on the meta device and loaded with weights= from a "
+        "sharded safetensors folder, trained at P = 1, 2, 4: each rank's baseline and peak resident "
+        "memory against the engine's estimate; torch.distributed.pipelining's meta-device recipe beside "
+        "it at P = 2 and 4; and the most layers whose estimate fits a per-rank limit at each P, each "
+        "verified by a real run under memory_limit=.",
+        "a ~38M-parameter Llama, limit 1GiB; torch.pipelining and the verifying run at P = 2 only",
+    ),
     "faults": (
         "faults, attacks and bad inputs against the real library: each must hold",
         "Forged checkpoints, signed-message attacks, leaked keys, killed and stopped processes, full "
@@ -56,6 +65,13 @@ BENCHES = {
 
 EXTRA_OPTIONS: dict[str, list[tuple[str, dict[str, str]]]] = {
     "faults": [("--only", {"metavar": "SUBSTRING", "help": "run only the cases whose name holds SUBSTRING"})],
+    "memory": [
+        (
+            "--limit",
+            {"metavar": "SIZE", "help": "per-rank limit of the largest-model search (2GiB; quick 1GiB)"},
+        ),
+        ("--keep", {"action": "store_true", "help": "keep the weights folder, specs and logs"}),
+    ],
     "planner": [
         ("--scale", {"action": "store_true", "help": "plan 8..1024 GPUs of a paper GPT; report plan time"})
     ],

@@ -216,8 +216,8 @@ def trace_model(model: nn.Module, batch: Mapping[str, Any]) -> Trace:
     names = cut_names(model)
     recorder = _Recorder(param_ids)
     cuts = _TraceCuts(names, recorder)
-    with torch.no_grad(), _handling(cuts), recorder:
-        model(**batch)
+    with torch.no_grad(), _handling(cuts), recorder, torch.compiler.set_stance("force_eager"):
+        model(**batch)  # compiled blocks run as written: the trace follows every call
     never = [n for n in names.values() if n not in cuts.order]
     if never:
         raise PartitionError(

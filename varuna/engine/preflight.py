@@ -11,12 +11,14 @@ needs beyond those: the largest gradient twice for a moment, and the runtime's w
 this order: `memory_limit=` (the whole process, as a cgroup counts it), on CUDA the device's free
 memory, on CPU the memory cgroup's limit (v2 `memory.max`, v1 `memory.limit_in_bytes`); with none
 known nothing is refused. On CPU the process's resident memory at the check (Python, torch, the
-meta model) counts against the limit too.
+meta model) counts against the limit too, and `HEADROOM` of the estimate is kept free for what it
+does not model (`required`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,13 +34,24 @@ from varuna.planner.memory import format_bytes, parse_memory, stage_memory
 from varuna.profile.memory import OPTIMIZER_STATE_BYTES, MetaForwardError, memory_segments
 from varuna.schedule import WORK_KINDS, Action, peak_inflight, pull_ahead_room, schedule_spec
 
-__all__ = ["MemoryEstimate", "rank_estimate", "memory_limit", "resident_bytes", "check"]
+__all__ = [
+    "MemoryEstimate",
+    "rank_estimate",
+    "memory_limit",
+    "resident_bytes",
+    "check",
+    "required",
+    "HEADROOM",
+]
 
 log = logging.getLogger("varuna.memory")
 _UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+HEADROOM = 0.10
+"""What the check keeps free beyond the estimate, as a share of it: the allocator's fragmentation and
+autograd's temporaries, which the estimate does not model (`docs/benchmarks/memory.md` has the
+estimate's error against measured peaks)."""
 WORKING_BYTES = 64 * 2**20
-"""What a rank's first step adds beyond its stage's tensors on CPU (the benchmark page of
-`docs/big-models.md` has the measurement)."""
+"""What a rank's first step adds beyond its stage's tensors on CPU (`docs/benchmarks/memory.md`)."""
 
 
 @dataclass(slots=True)
@@ -209,12 +222,18 @@ def rank_estimate(
     )
 
 
+def required(total: int, baseline: int) -> int:
+    """The bytes a rank needs for a stage whose estimate is `total`: the baseline, the estimate, and
+    `HEADROOM` of the estimate."""
+    return baseline + math.ceil(total * (1 + HEADROOM))
+
+
 def check(estimate: MemoryEstimate, *, where: str, config: VarunaConfig) -> None:
-    """MemoryLimitError when the estimate (with the process's baseline) is over the limit."""
-    if estimate.limit is None or estimate.baseline + estimate.total <= estimate.limit:
+    """MemoryLimitError when the estimate, with the process's baseline and `HEADROOM`, is over the limit."""
+    need = required(estimate.total, estimate.baseline)
+    if estimate.limit is None or need <= estimate.limit:
         return
     e = config.engine
-    need = estimate.baseline + estimate.total
     hints = [f"more pipeline stages (pipeline={e.pipeline} now; each stage holds fewer layers)"]
     if not e.uses_recompute:
         hints.append("recompute=True (a stage keeps only its input per micro-batch in flight)")
@@ -227,8 +246,9 @@ def check(estimate: MemoryEstimate, *, where: str, config: VarunaConfig) -> None
         f"({estimate.limit_source}): its stage holds {format_bytes(estimate.params)} of parameters, "
         f"{format_bytes(estimate.grads)} of gradients, {format_bytes(estimate.optimizer)} of optimizer state "
         f"and {format_bytes(estimate.activations)} of activations at its peak (and "
-        f"{format_bytes(estimate.transient + estimate.working)} of working memory), on top of "
-        f"{format_bytes(estimate.baseline)} the process holds already. Nothing was allocated; try "
+        f"{format_bytes(estimate.transient + estimate.working)} of working memory; {HEADROOM:.0%} more kept "
+        f"free), on top of {format_bytes(estimate.baseline)} the process holds already. Nothing was "
+        "allocated; try "
         + ", or ".join(hints)
         + (
             f". Stages of this rank: {[format_bytes(b) for b in estimate.stage_bytes]}"

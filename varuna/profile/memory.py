@@ -149,6 +149,7 @@ def _saved_bytes(model: nn.Module, micro: Mapping[str, Any], segments: _Segments
     # the batch stays real: values the model reads from it (a padding mask's `.all()`) are there, and
     # FollowMeta moves it to meta where it meets the meta parameters
     with (
+        torch.compiler.set_stance("force_eager"),  # compiled blocks run as written: inductor has no meta
         FollowMeta(),
         _handling(segments),
         torch.autograd.graph.saved_tensors_hooks(segments.pack, lambda t: t),
