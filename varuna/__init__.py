@@ -18,6 +18,7 @@ __all__ = [
     "Varuna",
     "VarunaConfig",
     "data",
+    "metrics",
     "make_schedule",
     "auto_cut",
     "consolidate",
@@ -68,7 +69,7 @@ _WHERE = {
 if TYPE_CHECKING:
     __version__: str
 
-    from varuna import data
+    from varuna import data, metrics
     from varuna.auto import Varuna
     from varuna.checkpoint.consolidation import consolidate
     from varuna.cut.autocut import auto_cut
@@ -90,8 +91,8 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":
         globals()[name] = value = _version()
         return value
-    if name == "data":
-        return importlib.import_module("varuna.data")
+    if name in ("data", "metrics"):
+        return importlib.import_module(f"varuna.{name}")
     if name == "simulate":  # the simulator's module, by the path it had before varuna.planner existed
         return importlib.import_module("varuna.planner.simulator")
     if name in _WHERE:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from varuna import _log
+from varuna._log import log
 from varuna.comm.rendezvous import init_distributed, launch_env
 from varuna.engine.config import check_options
 from varuna.engine.engine import Varuna as _Engine
@@ -117,7 +119,7 @@ def choose(
         )
     if measure:
         if rank == 0:
-            print(f"varuna: pipeline='auto': profiling the model ({why})", flush=True)
+            log.info("varuna: pipeline='auto': profiling the model (%s)", why)
         sizes = [fixed.micro_batch_size] if fixed.micro_batch_size else profile_sizes(global_batch_size)
         table = run_profile(
             model,
@@ -221,6 +223,7 @@ class Varuna(_Engine):
         plan_info = None
         if pipeline == "auto":
             rank, world = init_distributed()
+            _log.setup(rank)
             auto = choose(
                 model,
                 rank=rank,

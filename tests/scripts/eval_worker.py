@@ -44,9 +44,17 @@ def build(kind: str) -> torch.nn.Module:
     from varuna import auto_cut
 
     config = transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=2, n_positions=16, vocab_size=64, resid_pdrop=0.1, embd_pdrop=0.1,
-        attn_pdrop=0.1, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        n_layer=4,
+        n_embd=32,
+        n_head=2,
+        n_positions=16,
+        vocab_size=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = transformers.GPT2LMHeadModel(config)
     model.train()
     auto_cut(model)
@@ -79,10 +87,15 @@ if __name__ == "__main__":
             model = build(kind)
             train = data(kind)
             engine = Varuna(
-                model, pipeline=P, data=D, global_batch_size=GLOBAL, micro_batch_size=MICRO, schedule=schedule,
+                model,
+                pipeline=P,
+                data=D,
+                global_batch_size=GLOBAL,
+                micro_batch_size=MICRO,
+                schedule=schedule,
                 partition="uniform",  # the same cut in every job (a timed one varies, and dropout with it)
                 example_batch=collate([train[0], train[1]]),
-            )  # fmt: skip
+            )
             engine.set_optimizer(optimizer(engine.parameters()))
             metrics = next_token_hits if kind == "hf-gpt2" else None
             val = rows(kind)

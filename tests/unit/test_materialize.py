@@ -114,8 +114,11 @@ class _Rotary(nn.Module):
 def test_a_meta_model_whose_modules_have_no_init_is_refused_before_anything_is_allocated() -> None:
     with torch.device("meta"):
         model = _NoInit()
-    with pytest.raises(ConfigError, match=r"without weights=, and 1 modules holding parameters have no init: "
-                       r"_NoInit \(_NoInit\)\. Give weights=PATH .* init=fn\(module_name, module\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"without weights=, and 1 modules holding parameters have no init: "
+        r"_NoInit \(_NoInit\)\. Give weights=PATH .* init=fn\(module_name, module\)",
+    ):
         Varuna(model, global_batch_size=2, micro_batch_size=1)
 
 
@@ -172,8 +175,13 @@ def test_a_missing_shard_is_named_before_training(tmp_path: Path) -> None:
         model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 50, (2, 8))
     with pytest.raises(CheckpointError, match=rf"{shards[-1].name}"):
-        Varuna(model, global_batch_size=2, micro_batch_size=2, example_batch={"input_ids": ids, "labels": ids},
-               weights=folder)  # fmt: skip
+        Varuna(
+            model,
+            global_batch_size=2,
+            micro_batch_size=2,
+            example_batch={"input_ids": ids, "labels": ids},
+            weights=folder,
+        )
 
 
 def test_the_memory_check_refuses_a_stage_over_the_limit_before_allocating() -> None:

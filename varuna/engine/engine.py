@@ -17,7 +17,6 @@ and the resume itself, are in `varuna.engine.train_state`.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -29,7 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from varuna import _log
 from varuna._files import write_json_atomic
+from varuna._log import log
 from varuna.checkpoint import layout as ckpt
 from varuna.comm import rendezvous as vdist
 from varuna.comm.buckets import GradBuckets
@@ -49,13 +50,12 @@ from varuna.engine.preflight import rank_estimate
 from varuna.engine.refit import OrderRefit
 from varuna.engine.runtime import Chunk, StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError
+from varuna.metrics import MetricsLogger
 from varuna.planner.costs import model_signature
 from varuna.schedule import Action, build_schedule, forward_only, schedule_spec
 from varuna.telemetry.recorder import Telemetry  # telemetry
 
 __all__ = ["Varuna"]
-
-log = logging.getLogger("varuna")
 
 
 def _device() -> torch.device:
@@ -99,6 +99,7 @@ class Varuna:
     ) -> None:
         env = vdist.launch_env()
         self.rank, self.world_size = vdist.init_distributed()
+        _log.setup(self.rank)
         self.plan_info = dict(plan_info) if plan_info is not None else None  # engine.json's "plan"
         if pipeline == "auto":
             raise ConfigError(
@@ -174,9 +175,18 @@ class Varuna:
         self.schedule = lowered
         # before anything of the stage's size is allocated: a shape that cannot fit is refused here
         self.memory_estimate = rank_estimate(
-            model, micro, self.trace, self.partition, cfg, lowered, chunk_stages=self.chunk_stages,
-            rank_of=rank_of, device=self.device, autocast=self.autocast, where=self.where,
-        )  # fmt: skip
+            model,
+            micro,
+            self.trace,
+            self.partition,
+            cfg,
+            lowered,
+            chunk_stages=self.chunk_stages,
+            rank_of=rank_of,
+            device=self.device,
+            autocast=self.autocast,
+            where=self.where,
+        )
         check_memory(self.memory_estimate, where=self.where, config=cfg)
         owned = {n for v in self.chunk_stages for n in self.partition.stage_params[v]}
         _stage.strip(model, owned, self.device, traced)
@@ -243,6 +253,7 @@ class Varuna:
         self.last_grad_norm: float | None = None
         self.last_times: StepTimes | None = None
         self.history: list[dict[str, float]] = []
+        self._loggers: list[tuple[MetricsLogger, int]] = []
         self.stop_request = StopRequest()
         self.stop_request.install()
         self.should_stop = False
@@ -376,10 +387,11 @@ class Varuna:
         if self._morph_exit is not None:
             if self.rank == 0:
                 reason = self.stop_request.reason or "by another rank"
-                print(
-                    f"varuna: stop requested ({reason}); checkpointed step {self.step_count} to "
-                    f"{self._morph_exit}; exiting to morph",
-                    flush=True,
+                log.info(
+                    "varuna: stop requested (%s); checkpointed step %d to %s; exiting to morph",
+                    reason,
+                    self.step_count,
+                    self._morph_exit,
                 )
             raise SystemExit(MORPH_EXIT)
         if not isinstance(batch, Mapping):
@@ -489,6 +501,8 @@ class Varuna:
             self._morph_exit = self.checkpoint()
             self._telemetry.checkpoint_done(self.last_checkpoint, exit_code=MORPH_EXIT)  # telemetry
         self._telemetry.on_step(loss, times)  # telemetry
+        if self._loggers:
+            self._report_step(loss, times)
         if want_ckpt and self._morph_exit is None:  # telemetry
             self.checkpoint()  # telemetry
             self._telemetry.checkpoint_done(self.last_checkpoint)  # telemetry
@@ -500,7 +514,49 @@ class Varuna:
 
             result = engine.evaluate(val_set)          # result.loss, result.samples, result.metrics
         """
-        return _evaluate(self, data, metrics)
+        result = _evaluate(self, data, metrics)
+        self._report(
+            {"eval/loss": result.loss, "eval/samples": result.samples}
+            | {f"eval/{k}": v for k, v in result.metrics.items()},
+            every_step=True,
+        )
+        return result
+
+    # metrics -----------------------------------------------------------------------------------
+    def add_logger(self, logger: Any, *, every: int = 1, all_ranks: bool = False) -> None:
+        """Hand `logger` (`varuna.metrics.MetricsLogger`: TensorBoard, CSV, JSON lines, your own) the
+        training figures after every `every`-th step and each evaluation's; on rank 0 only unless
+        `all_ranks`. `close()` closes it.
+
+            engine.add_logger(varuna.metrics.TensorBoardLogger("runs/gpt/tb"))
+        """
+        from varuna.engine.config import positive_int
+        from varuna.metrics import check_logger
+
+        positive_int("every", every)
+        if all_ranks or self.rank == 0:
+            self._loggers.append((check_logger(logger), every))
+
+    def _report_step(self, loss: float, times: StepTimes) -> None:
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+        figures: dict[str, float] = {
+            "train/loss": loss,
+            "train/step_time_s": times.total_s,
+            "train/samples_per_s": self.config.engine.global_batch_size / times.total_s
+            if times.total_s
+            else 0.0,
+            "train/skipped": float(self.last_step_skipped),
+        }
+        if self.last_grad_norm is not None:
+            figures["train/grad_norm"] = self.last_grad_norm
+        if isinstance(lr, (int, float)):
+            figures["train/lr"] = float(lr)
+        self._report(figures)
+
+    def _report(self, figures: Mapping[str, float], *, every_step: bool = False) -> None:
+        for logger, every in self._loggers:
+            if every_step or self.step_count % every == 0:
+                logger.log_metrics(self.step_count, figures)
 
     def _eval_actions(self, num_microbatches: int) -> list[Action]:
         """This rank's forward-only actions for `num_microbatches`; serial links are replanned for
@@ -586,7 +642,11 @@ class Varuna:
         return sum(float(n) ** 2 for n in norms)
 
     def close(self) -> None:
-        """Release this engine's process groups (the default group stays for the next engine)."""
+        """Release this engine's process groups (the default group stays for the next engine) and
+        close its metrics loggers."""
+        for logger, _ in self._loggers:
+            logger.close()
+        self._loggers = []
         self._runtime.close()
         groups = [self._dp_group] if self._dp_group is not None else []
         groups += [pg for _, pg, _ in self._tied_groups if pg is not None]

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from varuna._log import log
 from varuna.comm.serial import Courier, plan
 from varuna.engine.config import VarunaConfig
 from varuna.engine.runtime import StepTimes
@@ -121,8 +122,10 @@ class OrderRefit:
             self.courier.replan(plan(lowered, self.rank_of, self.stage, dist.get_rank()))
         if not dist.is_initialized() or dist.get_rank() == 0:
             timed = f": {old:.3f} s -> {new:.3f} s a step simulated on them" if old and new else ""
-            print(
-                f"varuna: {e.schedule}'s order refitted to the chunk costs measured in step {self.steps - 1}{timed}",
-                flush=True,
+            log.info(
+                "varuna: %s's order refitted to the chunk costs measured in step %d%s",
+                e.schedule,
+                self.steps - 1,
+                timed,
             )
         return lowered

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from varuna._log import log
 from varuna.checkpoint import layout as ckpt
 from varuna.cut.partition import canonical_names
 from varuna.engine.config import VarunaConfig
@@ -178,7 +179,7 @@ def resume(
         "bytes": int(json.loads((path / "manifest.json").read_text())["bytes"]),
     }
     if rank == 0:
-        print(f"varuna: resumed from {path} at step {step}", flush=True)
+        log.info("varuna: resumed from %s at step %d", path, step)
     return Resumed(
         step=step,
         pending_optimizer=(optim, extra.get("optimizer_groups") or [], extra.get("lr_scheduler")),

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from varuna._log import log
 from varuna.errors import ConfigError
 from varuna.telemetry import heartbeat as _heartbeat
 from varuna.telemetry.activations import activation_peak
@@ -348,7 +349,7 @@ class Telemetry:
         try:
             settings = check_settings({k: v for k, v in command.items() if k in SETTINGS})
         except ConfigError as exc:
-            print(f"varuna: ignored the controller's set command: {exc}", file=sys.stderr, flush=True)
+            log.warning("varuna: ignored the controller's set command: %s", exc)
             return
         for name, value in settings.items():
             setattr(self, name, value)
