@@ -7,6 +7,7 @@ at 2x1 over the serial links (VARUNA_P2P=serial: the NCCL path's courier, replan
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,17 @@ def test_evaluate_over_serial_links_equals_the_early_receive_links(jobs: Path) -
         ]
         assert [r["before"] for r in serial] == [r["before"] for r in early]
         assert [r["losses"] for r in serial] == [r["losses"] for r in early]
+
+
+def test_the_training_guide_example_runs_as_written(tmp_path: Path, varuna_run) -> None:
+    """docs/training.md's example: train 4 steps at P = 2 with a JSON-lines logger, then evaluate."""
+    from _helpers import REPO
+
+    text = (REPO / "docs" / "training.md").read_text()
+    code = text.split("<!-- docs example: varuna run --pipeline 2 -->", 1)[1].split("```python\n", 1)[1]
+    script = tmp_path / "example.py"
+    script.write_text(code.split("```", 1)[0])
+    done = varuna_run([script], pipeline=2, run_dir=tmp_path / "run", cwd=tmp_path, timeout=150)
+    assert "eval loss " in done.stdout and "over 37 samples" in done.stdout
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 4]
