@@ -10,7 +10,7 @@ LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.varuna-installed
 
-.PHONY: install test test-quick test-multihost netns-tools slurm-tools demo bench gpu-check lab lint clean
+.PHONY: install test test-quick test-multihost netns-tools slurm-tools demo bench gpu-check lab lint docs clean
 
 $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install $(CHROMIUM) netns-tools slurm-tools
+test: install docs $(CHROMIUM) netns-tools slurm-tools
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 # The unit tier only (tests/unit: no processes, well under a minute).
@@ -69,10 +69,15 @@ $(CHROMIUM):
 	@command -v apt-get >/dev/null || { echo "the browser test needs Chromium at $(CHROMIUM): install it, or set CHROMIUM=/path"; exit 1; }
 	$(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null; }
 
+# The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing API reference
+# or a docstring mkdocstrings cannot read fails the build. Nothing is fetched: it builds offline.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 lint: install
 	$(BIN)/ruff check varuna widgets tests
 	$(BIN)/ruff format --check varuna widgets tests
 	$(BIN)/mypy varuna widgets/varuna_widgets
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import torch
@@ -49,3 +50,17 @@ def run_bench(name: str, *, timeout: float) -> tuple[dict, str]:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout), proc.stderr
+
+
+def wait_job(proc: subprocess.Popen[bytes], log: Path, *, timeout: float) -> None:
+    """Wait for a `varuna_popen` job that writes to `log`; a non-zero exit or a timeout (the job's
+    process group is killed) fails the test with the log's tail."""
+    import subprocess
+
+    try:
+        code: int | str = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = "timeout"
+    assert code == 0, f"{' '.join(map(str, proc.args))[-300:]} failed ({code}):\n{log.read_text()[-6000:]}"

@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import REPO, SCRIPTS
+from _helpers import REPO, SCRIPTS, wait_job
 
 import varuna
 
@@ -57,14 +57,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> Path:
             ),
             log,
         )
-    for world, (proc, log) in procs.items():
-        try:
-            code: int | str = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            code = "timeout"
-        assert code == 0, f"world {world} job failed ({code}):\n{log.read_text()[-6000:]}"
+    for proc, log in procs.values():
+        wait_job(proc, log, timeout=TIMEOUT)
     return out
 
 

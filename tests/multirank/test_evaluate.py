@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import SCRIPTS
+from _helpers import SCRIPTS, wait_job
 
 sys.path.insert(0, str(SCRIPTS))
 from eval_worker import EVAL_CONFIGS, EVAL_MODELS, GLOBAL, MICRO, build, next_token_hits, rows  # noqa: E402
@@ -50,13 +50,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> Path:
         )
         procs.append((proc, log))
     for proc, log in procs:
-        try:
-            code: int | str = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            code = "timeout"
-        assert code == 0, f"job failed ({code}):\n{log.read_text()[-6000:]}"
+        wait_job(proc, log, timeout=TIMEOUT)
     return out
 
 

@@ -43,9 +43,10 @@ TIMEOUT = 420
 
 
 def _readme_block() -> str:
-    """The README's "Train a transformers model" code, as the user copies it."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index("<!-- tests/multirank/test_transformers.py runs this block as a 2x2 job -->")
+    """docs/transformers.md's "Train a transformers model" code (it was the README's), as the user copies it."""
+    text = (ROOT / "docs" / "transformers.md").read_text()
+    marker = "<!-- docs example: tests/multirank/test_transformers.py runs this block as a 2x2 job -->"
+    start = text.index(marker)
     return text[start:].split("```python\n", 1)[1].split("```", 1)[0]
 
 

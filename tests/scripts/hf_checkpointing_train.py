@@ -31,7 +31,7 @@ engine = Varuna(
     example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
 )
 engine.set_optimizer(optimizer(engine.parameters()))
-assert model.is_gradient_checkpointing
+assert model.is_activation_checkpointing
 calls = {"n": 0}
 block = model.transformer.h[3 * engine.stage].attn  # inside a block this stage runs (recomputed)
 block.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))

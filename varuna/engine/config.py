@@ -66,8 +66,8 @@ class EngineConfig:
     """On stages after the first, compute the input gradient of the step's first and last backward
     before their weight gradients, and send it at once: the previous stage waits for it, nobody
     for the weights (see varuna.schedule.split_backwards). False: one plain backward() each. Off
-    for a model with gradient checkpointing (transformers' `is_gradient_checkpointing`), whose
-    blocks each backward pass would recompute."""
+    for a model with gradient checkpointing (a module whose `gradient_checkpointing` is True, as
+    transformers sets it), whose blocks each backward pass would recompute."""
     fuse_weights: bool = True
     """zb-h1 and zb-v (whose orders place every weight half W themselves and are fitted to the
     profiled stage costs): each W whose deferral shortens nothing on those costs runs inside its B,

@@ -129,7 +129,9 @@ class Varuna:
             **options,
         )
         cfg = self.config
-        if cfg.engine.split_backward and getattr(model, "is_gradient_checkpointing", False):
+        if cfg.engine.split_backward and any(
+            getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+        ):
             # torch.utils.checkpoint recomputes its region for every backward pass through it: a
             # split backward (input half, then weight half) would recompute each block twice more
             cfg.engine.split_backward = False
