@@ -45,9 +45,14 @@ def run_bench(name: str, *, timeout: float) -> tuple[dict, str]:
 
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "varuna.bench", name, "--json", "--quick"], cwd=REPO, env=env,
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, "-m", "varuna.bench", name, "--json", "--quick"],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout), proc.stderr
 

@@ -31,10 +31,20 @@ def _command(
     wrap: Sequence[str] = (),
 ) -> list[str]:
     return [
-        *wrap, sys.executable, "-m", "varuna", "run", *flags,
-        "--pipeline", str(pipeline), "--data", str(data), "--run-dir", str(run_dir),
+        *wrap,
+        sys.executable,
+        "-m",
+        "varuna",
+        "run",
+        *flags,
+        "--pipeline",
+        str(pipeline),
+        "--data",
+        str(data),
+        "--run-dir",
+        str(run_dir),
         *map(str, script_and_args),
-    ]  # fmt: skip
+    ]
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -80,9 +90,15 @@ def varuna_run() -> Callable[..., subprocess.CompletedProcess[str]]:
     ) -> subprocess.CompletedProcess[str]:
         cmd = _command(script_and_args, pipeline=pipeline, data=data, run_dir=run_dir, flags=flags, wrap=wrap)
         proc = subprocess.Popen(
-            cmd, env=_env(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+            cmd,
+            env=_env(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -136,9 +136,13 @@ def choose(
         assert table is not None
         try:
             result = plan_for(
-                table, gpus=world, memory_bytes=memory, global_batch_size=global_batch_size, fixed=fixed,
+                table,
+                gpus=world,
+                memory_bytes=memory,
+                global_batch_size=global_batch_size,
+                fixed=fixed,
                 signature=signature,
-            )  # fmt: skip
+            )
             answer = _record(result, fixed, memory, path, reused=not measure)
         except PlanError as exc:
             answer = {"error": str(exc)}

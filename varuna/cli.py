@@ -165,21 +165,29 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--gpus-per-host", type=int, metavar="G", help="GPUs on each host, filled in rank order"
     )
     hosts.add_argument(
-        "--inter-host-gbit", type=float, metavar="GBIT",
+        "--inter-host-gbit",
+        type=float,
+        metavar="GBIT",
         help="network between hosts, Gbit/s per host shared by its GPUs (default: the profile's, else 100)",
-    )  # fmt: skip
+    )
     hosts.add_argument(
-        "--inter-host-latency-us", type=float, metavar="US",
+        "--inter-host-latency-us",
+        type=float,
+        metavar="US",
         help="latency of a message between hosts, microseconds (default: the profile's, else 20)",
-    )  # fmt: skip
+    )
     hosts.add_argument(
-        "--intra-host-gbit", type=float, metavar="GBIT",
+        "--intra-host-gbit",
+        type=float,
+        metavar="GBIT",
         help="bandwidth between GPUs of a host, Gbit/s (default: the profile's point-to-point)",
-    )  # fmt: skip
+    )
     hosts.add_argument(
-        "--intra-host-latency-us", type=float, metavar="US",
+        "--intra-host-latency-us",
+        type=float,
+        metavar="US",
         help="latency within a host, microseconds (default: the profile's point-to-point)",
-    )  # fmt: skip
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -59,9 +59,13 @@ class JobController(StoreViews, StragglerControl):
     """One job's controller; make it with `start` or `attach`."""
 
     def __init__(
-        self, run_dir: Path, *, interface: str | None = None, key: str | None = None,
+        self,
+        run_dir: Path,
+        *,
+        interface: str | None = None,
+        key: str | None = None,
         silent_after_s: float = DEFAULT_SILENT_AFTER_S,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.liveness = Liveness(silent_after_s)  # validates silent_after_s first
         self.hosts = HostWatch()  # a host of the launch silent for hosts.dead_after_s (5 s) is dead
         self.run_dir = Path(run_dir).absolute()
@@ -106,8 +110,14 @@ class JobController(StoreViews, StragglerControl):
 
     def _host_dead(self, job: str, host: str, ranks: list[int], silent_s: float) -> None:
         """A host whose ranks all went silent: a `host_dead` event, and the agent relaunches without it."""
-        self._note("host_dead", host=host, how="silent", ranks=ranks, silent_s=round(silent_s, 1),
-                   reason=f"no word from any rank on {host} for {silent_s:.1f} s")  # fmt: skip
+        self._note(
+            "host_dead",
+            host=host,
+            how="silent",
+            ranks=ranks,
+            silent_s=round(silent_s, 1),
+            reason=f"no word from any rank on {host} for {silent_s:.1f} s",
+        )
         self._intent("host_lost", hosts=[host], job=job)
 
     def _on_event(self, event: dict[str, Any]) -> None:
@@ -129,8 +139,14 @@ class JobController(StoreViews, StragglerControl):
     def _note(self, kind: str, **fields: Any) -> None:
         """An event of the controller's own, stored and logged to events/controller.jsonl."""
         job = self._order[-1] if self._order else None
-        event = {"type": kind, "rank": None, "time": time.time(), "job": job, "id": uuid.uuid4().hex,
-                 **fields}  # fmt: skip
+        event = {
+            "type": kind,
+            "rank": None,
+            "time": time.time(),
+            "job": job,
+            "id": uuid.uuid4().hex,
+            **fields,
+        }
         self._add(event)
         log = _events.EventLog(self.run_dir / "events" / "controller.jsonl")
         log.write(event)
@@ -226,9 +242,14 @@ class JobController(StoreViews, StragglerControl):
         self = cls(run_dir, interface=interface, silent_after_s=silent_after_s)
         self._bind(hostfile=hostfile)
         spec = {
-            "argv": list(script_argv), "hostfile": str(hostfile) if hostfile else None, "timeout_s": timeout_s,
-            "grace_s": grace_s, "elastic": elastic, "max_restarts": max_restarts, "env": dict(env or {}),
-        }  # fmt: skip
+            "argv": list(script_argv),
+            "hostfile": str(hostfile) if hostfile else None,
+            "timeout_s": timeout_s,
+            "grace_s": grace_s,
+            "elastic": elastic,
+            "max_restarts": max_restarts,
+            "env": dict(env or {}),
+        }
         try:
             self._launch_agent(spec, pipeline, data, resume)
         except BaseException:
@@ -430,8 +451,14 @@ class JobController(StoreViews, StragglerControl):
         if gpus is not None:
             choice = self.shape_for(gpus)
             pipeline, data = choice.shape.pipeline, choice.shape.data
-            self._note("resize_plan", gpus=gpus, pipeline=pipeline, data=data, chosen_by=choice.chosen_by,
-                       reason=choice.reason)  # fmt: skip
+            self._note(
+                "resize_plan",
+                gpus=gpus,
+                pipeline=pipeline,
+                data=data,
+                chosen_by=choice.chosen_by,
+                reason=choice.reason,
+            )
         if pipeline is None or data is None:
             raise ConfigError("resize needs pipeline= and data=, or gpus=")
         launch = self._running_launch("resize")

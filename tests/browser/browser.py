@@ -285,20 +285,31 @@ def jupyter_lab(
         for _attempt in range(3):  # a port picked free can be taken before the server binds it
             port = _free_port()
             cmd = [
-                sys.executable, "-m", "jupyterlab", "--no-browser",
-                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-                f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={root}",
+            ]
             if os.geteuid() == 0:  # CI containers run as root; the server refuses without the flag
                 cmd.append("--allow-root")
             cmd += extra_args or []
             with open(log_path, "wb") as log:
                 # Popen runs the server's own Python: the PID we keep is the server's, not a shell's.
                 proc = subprocess.Popen(
-                    cmd, cwd=root, env=run_env, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                    cmd,
+                    cwd=root,
+                    env=run_env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_die_with_parent,
                     start_new_session=True,  # a Ctrl-C in the terminal is pytest's to handle, not the server's
-                )  # fmt: skip
+                )
             server = LabServer(f"http://127.0.0.1:{port}", token, root, proc, log_path)
             if _wait_until_up(server, startup_timeout_s):
                 break
@@ -382,9 +393,13 @@ def chromium(
                 profiles.append(tempfile.mkdtemp(prefix="varuna-chromium-"))
                 try:
                     context = pw.chromium.launch_persistent_context(
-                        profiles[-1], executable_path=executable, headless=True, args=CHROMIUM_ARGS,
-                        viewport={"width": viewport[0], "height": viewport[1]}, timeout=timeout_s * 1000,
-                    )  # fmt: skip
+                        profiles[-1],
+                        executable_path=executable,
+                        headless=True,
+                        args=CHROMIUM_ARGS,
+                        viewport={"width": viewport[0], "height": viewport[1]},
+                        timeout=timeout_s * 1000,
+                    )
                     break
                 except Exception as exc:
                     if attempt < attempts and isinstance(exc, StartTimeout):
@@ -607,8 +622,13 @@ class LabPage:
         self.wait_until(check, f"the {count} code cells above {marker!r} to run", timeout_s)
         return int(count)
 
-    def wait_for_output(self, text: str | re.Pattern[str] | None = None, *, selector: str | None = None,
-                        timeout_s: float | None = None) -> Any:  # fmt: skip
+    def wait_for_output(
+        self,
+        text: str | re.Pattern[str] | None = None,
+        *,
+        selector: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         """Wait for a visible cell output containing `text` and/or matching `selector`; return its locator."""
         found = self.notebook.locator(".jp-OutputArea-output")
         if selector:
@@ -673,8 +693,9 @@ class LabPage:
         found = self.notebook.locator(f".{css_class}").filter(visible=True)
         return " ".join((found.first.text_content(timeout=2000) or "").split()) if found.count() else ""
 
-    def wait_for_class_text(self, css_class: str, expected: str | re.Pattern[str], *,
-                            timeout_s: float | None = None) -> str:  # fmt: skip
+    def wait_for_class_text(
+        self, css_class: str, expected: str | re.Pattern[str], *, timeout_s: float | None = None
+    ) -> str:
         """Wait until `class_text(css_class)` equals `expected` (a string) or matches it (a regex)."""
 
         def check() -> tuple[bool, str]:
@@ -707,8 +728,14 @@ class LabPage:
         )
         return [text for _, text in sorted(boxes, key=lambda b: b[0])]
 
-    def wait_for_plotly_texts(self, css_class: str, predicate: Callable[[list[str]], bool], *,
-                              selector: str = "g.ytick text", timeout_s: float | None = None) -> list[str]:  # fmt: skip
+    def wait_for_plotly_texts(
+        self,
+        css_class: str,
+        predicate: Callable[[list[str]], bool],
+        *,
+        selector: str = "g.ytick text",
+        timeout_s: float | None = None,
+    ) -> list[str]:
         """Wait until `predicate(plotly_texts(...))` holds and return the texts."""
 
         def check() -> tuple[bool, list[str]]:

@@ -86,8 +86,16 @@ def _case(ctx: Context, case: str, via: Transport, suffix: str) -> tuple[dict[st
     refusal = done.refusal() if "NCCL_MULTI_RANK_GPU_ENABLE" in via.env else None
     if refusal is not None:
         ctx.nccl_refused, via = refusal, fallback()
-        done = launch(ctx, tag + "-gloo", "_probe_worker.py", [str(out), case], pipeline=2, data=1, via=via,
-                      timeout_s=TIMEOUT_S)  # fmt: skip
+        done = launch(
+            ctx,
+            tag + "-gloo",
+            "_probe_worker.py",
+            [str(out), case],
+            pipeline=2,
+            data=1,
+            via=via,
+            timeout_s=TIMEOUT_S,
+        )
     if done.code != 0:
         return {"ok": False, "status": "failed", "exit": done.code, "log_tail": done.tail(2500)}, via
     return judge(out, case), via
@@ -102,5 +110,9 @@ def judge(out: Path, case: str) -> dict[str, Any]:
     problems = [
         f"rank {r} saw {ranks[r]['seen']}, expected {want[r]}" for r in (0, 1) if ranks[r]["seen"] != want[r]
     ]
-    return {"ok": not problems, "status": "passed" if not problems else "failed", "problems": problems,
-            "seconds": max(r["seconds"] for r in ranks)}  # fmt: skip
+    return {
+        "ok": not problems,
+        "status": "passed" if not problems else "failed",
+        "problems": problems,
+        "seconds": max(r["seconds"] for r in ranks),
+    }

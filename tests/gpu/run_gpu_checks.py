@@ -253,8 +253,19 @@ def run(device: str, *, quick: bool, budget_s: float, rtol: float | None, work: 
         env = {"EQUALITY_SCHEDULES": ",".join(schedules)}
         checks.append(run_phase(ctx, name, "_equality_worker.py", [str(steps)], P, D, 150, judge, env=env))
     bench_args = [size, str(warmup), str(timed)]
-    checks.append(run_phase(ctx, "bench-2x1", "_bench_worker.py", bench_args, 2, 1, 240, judge_bench,
-                            env={"BENCH_SCHEDULES": ",".join(SCHEDULES)}))  # fmt: skip
+    checks.append(
+        run_phase(
+            ctx,
+            "bench-2x1",
+            "_bench_worker.py",
+            bench_args,
+            2,
+            1,
+            240,
+            judge_bench,
+            env={"BENCH_SCHEDULES": ",".join(SCHEDULES)},
+        )
+    )
     for c in checks:
         print(
             f"{c['name']:<14} {c['status']:<7} {c['seconds']:>6.1f} s  {c.get('transport', '')}: {_summary(c)}",

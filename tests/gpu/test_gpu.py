@@ -18,9 +18,15 @@ from varuna.schedule import SCHEDULES
 
 SCRIPT = REPO / "tests" / "gpu" / "run_gpu_checks.py"
 NAMES = [
-    "nccl-probe", "p2p", "equality-1x1", "equality-2x1", "equality-2x1-chunks", "equality-2x2",
-    "equality-2x2-chunks", "bench-2x1",
-]  # fmt: skip
+    "nccl-probe",
+    "p2p",
+    "equality-1x1",
+    "equality-2x1",
+    "equality-2x1-chunks",
+    "equality-2x2",
+    "equality-2x2-chunks",
+    "bench-2x1",
+]
 sys.path.insert(0, str(SCRIPT.parent))
 
 
@@ -28,9 +34,14 @@ def _run(tmp_path: Path, *flags: str, timeout: float) -> dict:
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *flags], cwd=tmp_path, env=env,
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, str(SCRIPT), "--out", str(out), *flags],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.exists(), proc.stderr[-4000:]
     report = json.loads(out.read_text())
     failed = {c["name"]: c["details"] for c in report["checks"] if c["status"] != "passed"}

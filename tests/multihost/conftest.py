@@ -36,9 +36,13 @@ def on_host(hosts: NetnsHosts) -> Callable[..., str]:
     def run(host: str, code: str, *, env: dict[str, str] | None = None, timeout: float = 60) -> str:
         full = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         done = subprocess.run(
-            hosts.command(host, [sys.executable, "-c", code]), env=full, capture_output=True, text=True,
-            timeout=timeout, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            hosts.command(host, [sys.executable, "-c", code]),
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
         if done.returncode != 0:
             pytest.fail(f"on {host}: python -c ... exited with {done.returncode}:\n{done.stderr[-3000:]}")
         return done.stdout

@@ -137,9 +137,18 @@ class NetnsHosts:
         `own_name`; else under this machine's name, as hosts that all share one name)."""
         name = 'hostname "$0"' if own_name else ":"
         return [
-            "ip", "netns", "exec", self.netns(host), "unshare", "--uts",
-            "sh", "-c", f'{name} && exec "$@"', host, *argv,
-        ]  # fmt: skip
+            "ip",
+            "netns",
+            "exec",
+            self.netns(host),
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f'{name} && exec "$@"',
+            host,
+            *argv,
+        ]
 
     def hostfile(self, path: Path, slots: dict[str, int]) -> Path:
         """Write an MPI hostfile (``host:N`` lines, in the order given) and return its path."""

@@ -173,9 +173,13 @@ class SlurmCluster:
         log = open(self.dir / "log" / f"{name}.out", "wb")  # noqa: SIM115
         try:
             self.procs[name] = subprocess.Popen(
-                cmd, env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cmd,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         finally:
             log.close()
 
@@ -192,11 +196,18 @@ class SlurmCluster:
         self._write_config()
         d = self.dir
         try:
-            self._start("munged", [
-                "munged", "-F", f"--socket={d / 'munge.sock'}", f"--key-file={d / 'munge.key'}",
-                f"--pid-file={d / 'munged.pid'}", f"--seed-file={d / 'munged.seed'}",
-                f"--log-file={d / 'log' / 'munged.log'}",
-            ])  # fmt: skip
+            self._start(
+                "munged",
+                [
+                    "munged",
+                    "-F",
+                    f"--socket={d / 'munge.sock'}",
+                    f"--key-file={d / 'munge.key'}",
+                    f"--pid-file={d / 'munged.pid'}",
+                    f"--seed-file={d / 'munged.seed'}",
+                    f"--log-file={d / 'log' / 'munged.log'}",
+                ],
+            )
             self._wait(lambda: (d / "munge.sock").exists(), timeout_s, "munged to make its socket")
             self._start("slurmctld", self.client(["slurmctld", "-D", "-i", "-f", str(self.conf)]))
             for node in self.nodes:
@@ -214,9 +225,12 @@ class SlurmCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
         out = subprocess.run(
-            self.client(["sinfo", "-h", "-N", "-o", "%T"]), env=self.env(), capture_output=True, text=True,
+            self.client(["sinfo", "-h", "-N", "-o", "%T"]),
+            env=self.env(),
+            capture_output=True,
+            text=True,
             timeout=10,
-        )  # fmt: skip
+        )
         return out.stdout.split() == ["idle"] * len(self.nodes)
 
     def _wait(self, ready: object, timeout_s: float, what: str) -> None:

@@ -45,13 +45,22 @@ def test_multihost_each_host_has_its_own_name_stack_and_address(hosts: NetnsHost
 
 def test_multihost_hosts_reach_each_other_by_name(hosts: NetnsHosts, on_host) -> None:
     server = subprocess.Popen(
-        hosts.command("h2", [sys.executable, "-c", (
-            "import socket\n"
-            "s = socket.create_server(('0.0.0.0', 0)); print(s.getsockname()[1], flush=True)\n"
-            "c, peer = s.accept(); c.sendall(peer[0].encode() + b' ' + socket.gethostname().encode())\n"
-        )]),
-        stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        hosts.command(
+            "h2",
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import socket\n"
+                    "s = socket.create_server(('0.0.0.0', 0)); print(s.getsockname()[1], flush=True)\n"
+                    "c, peer = s.accept(); c.sendall(peer[0].encode() + b' ' + socket.gethostname().encode())\n"
+                ),
+            ],
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         port = int(server.stdout.readline())  # type: ignore[union-attr]
         code = (

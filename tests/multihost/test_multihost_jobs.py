@@ -47,8 +47,14 @@ def drive(
         "VARUNA_MPIEXEC_ARGS": hosts.mpiexec_args,
         **env,
     }
-    done = subprocess.run(hosts.command("h1", argv + ([json.dumps(list(fault))] if fault else [])), env=env,
-                          capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL)  # fmt: skip
+    done = subprocess.run(
+        hosts.command("h1", argv + ([json.dumps(list(fault))] if fault else [])),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        stdin=subprocess.DEVNULL,
+    )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         agent_log = folder / "run" / "logs" / "agent.log"

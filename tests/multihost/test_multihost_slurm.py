@@ -71,9 +71,14 @@ def _varuna(
     slurm: SlurmCluster, *args: str, cwd: Path, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "varuna", *args], env=_env(slurm), cwd=cwd, capture_output=True, text=True,
-        timeout=timeout, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [sys.executable, "-m", "varuna", *args],
+        env=_env(slurm),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _records(out: Path) -> list[dict]:
@@ -95,9 +100,14 @@ def test_multihost_slurm_sbatch_job_trains_and_resizes_inside_its_allocation(
         f"echo $? > {status}.tmp && mv {status}.tmp {status}\n"
     )
     submitted = subprocess.run(
-        slurm.client(["sbatch", "--parsable", f"--output={log}", str(script)]), env=_env(slurm), cwd=tmp_path,
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        slurm.client(["sbatch", "--parsable", f"--output={log}", str(script)]),
+        env=_env(slurm),
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert submitted.returncode == 0, submitted.stderr
     slurm_job = submitted.stdout.strip().split(";")[0]
 
@@ -135,10 +145,32 @@ def test_multihost_slurm_sbatch_job_trains_and_resizes_inside_its_allocation(
 
 def test_multihost_slurm_shape_beyond_the_allocation_is_refused(slurm: SlurmCluster, tmp_path: Path) -> None:
     done = subprocess.run(
-        slurm.client(["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2", "-d", "2",
-         "--run-dir", str(tmp_path / "run"), "-m", "varuna.demo"]),
-        env=_env(slurm), cwd=tmp_path, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        slurm.client(
+            [
+                "salloc",
+                "--ntasks=2",
+                "--",
+                sys.executable,
+                "-m",
+                "varuna",
+                "run",
+                "-p",
+                "2",
+                "-d",
+                "2",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "-m",
+                "varuna.demo",
+            ]
+        ),
+        env=_env(slurm),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 2, done.stderr
     assert "varuna: error: pipeline 2 x data 2 needs 4 ranks but Slurm job" in done.stderr
     assert f"2 task slots on {slurm.node} (2); ask for more tasks" in done.stderr
@@ -148,10 +180,30 @@ def test_multihost_slurm_shape_beyond_the_allocation_is_refused(slurm: SlurmClus
 def test_multihost_slurm_failing_rank_ends_the_step_and_is_named(slurm: SlurmCluster, tmp_path: Path) -> None:
     started = time.monotonic()
     done = subprocess.run(
-        slurm.client(["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2",
-         "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "launch_fail.py"), "raise"]),
-        env=_env(slurm), cwd=tmp_path, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        slurm.client(
+            [
+                "salloc",
+                "--ntasks=2",
+                "--",
+                sys.executable,
+                "-m",
+                "varuna",
+                "run",
+                "-p",
+                "2",
+                "--run-dir",
+                str(tmp_path / "run"),
+                str(SCRIPTS / "launch_fail.py"),
+                "raise",
+            ]
+        ),
+        env=_env(slurm),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("varuna: rank")]
     assert said[0].startswith("varuna: rank 1 (stage 1, replica 0) failed: ValueError: boom"), said
@@ -176,11 +228,32 @@ def test_multihost_slurm_sigterm_reaches_the_ranks_which_checkpoint(
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     job = subprocess.Popen(
-        slurm.client(["salloc", "--ntasks=2", "--", sys.executable, "-m", "varuna", "run", "-p", "2",
-         "--run-dir", str(run), str(SCRIPTS / "morph_train.py"), str(out), "100000", "fp32"]),
-        env=_env(slurm), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        slurm.client(
+            [
+                "salloc",
+                "--ntasks=2",
+                "--",
+                sys.executable,
+                "-m",
+                "varuna",
+                "run",
+                "-p",
+                "2",
+                "--run-dir",
+                str(run),
+                str(SCRIPTS / "morph_train.py"),
+                str(out),
+                "100000",
+                "fp32",
+            ]
+        ),
+        env=_env(slurm),
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while len(_records(out)) < 2 and job.poll() is None and time.monotonic() < deadline:
@@ -206,10 +279,33 @@ def test_multihost_slurm_two_node_allocation_runs_a_stage_per_node(
     run, out, steps = tmp_path / "run", tmp_path / "out", 8
     out.mkdir()
     done = subprocess.run(
-        slurm_hosts.client(["salloc", "--nodes=2", "--ntasks-per-node=1", "--", sys.executable, "-m", "varuna",
-         "run", "-p", "2", "--run-dir", str(run), str(SCRIPTS / "morph_train.py"), str(out), str(steps), "fp32"]),
-        env=_env(slurm_hosts), cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        slurm_hosts.client(
+            [
+                "salloc",
+                "--nodes=2",
+                "--ntasks-per-node=1",
+                "--",
+                sys.executable,
+                "-m",
+                "varuna",
+                "run",
+                "-p",
+                "2",
+                "--run-dir",
+                str(run),
+                str(SCRIPTS / "morph_train.py"),
+                str(out),
+                str(steps),
+                "fp32",
+            ]
+        ),
+        env=_env(slurm_hosts),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     allocated = json.loads((run / "job.json").read_text())["slurm"]["hosts"]
     assert len(allocated) == 2 and set(allocated) <= set(hosts.names)
@@ -227,8 +323,11 @@ def test_multihost_slurm_two_node_allocation_runs_a_stage_per_node(
 def test_multihost_slurm_hostlists_read_as_scontrol_reads_them(slurm: SlurmCluster) -> None:
     for text in ("vm", "node[01-03,07],gpu5", "r[1-2]n[1-2],a,b[09-11]", "n[8-10]"):
         said = subprocess.run(
-            slurm.client(["scontrol", "show", "hostnames", text]), env=_env(slurm), capture_output=True,
-            text=True, timeout=30,
-        )  # fmt: skip
+            slurm.client(["scontrol", "show", "hostnames", text]),
+            env=_env(slurm),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert said.returncode == 0, said.stderr
         assert expand_hostlist(text) == said.stdout.split(), text

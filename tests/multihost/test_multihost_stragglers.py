@@ -65,9 +65,12 @@ def excluded(
     base = tmp_path_factory.mktemp("stragglers")
     hostfile = hosts.hostfile(base / "hosts", {"h1": 1, "h2": 1})
     env = {
-        **os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VARUNA_MPIEXEC_ARGS": hosts.mpiexec_args,
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "VARUNA_MPIEXEC_ARGS": hosts.mpiexec_args,
         "STRAGGLER_CGROUP": f"h2={small_core.name}",
-    }  # fmt: skip
+    }
     hogs = [
         subprocess.Popen(
             hosts.command("h2", [sys.executable, "-c", "while True: pass"]), stdin=subprocess.DEVNULL
@@ -77,12 +80,24 @@ def excluded(
     for hog in hogs:
         (small_core / "cgroup.procs").write_text(str(hog.pid))  # `ip netns exec` and `unshare` exec: same pid
     driver = subprocess.Popen(
-        hosts.command("h1", [
-            sys.executable, str(SCRIPTS / "straggler_driver.py"), str(base / "run"), str(hostfile),
-            hosts.address("h1"), str(STEPS), str(PAUSE),
-        ]),
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        hosts.command(
+            "h1",
+            [
+                sys.executable,
+                str(SCRIPTS / "straggler_driver.py"),
+                str(base / "run"),
+                str(hostfile),
+                hosts.address("h1"),
+                str(STEPS),
+                str(PAUSE),
+            ],
+        ),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         # h2's ranks see no /sys/fs/cgroup (`ip netns exec` mounts a sysfs of the namespace's own): they
         # wait until this moves them in, found by their `hello` event. Moved only then, so their start-up

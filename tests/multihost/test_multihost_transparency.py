@@ -72,12 +72,21 @@ def runs(hosts: NetnsHosts, tmp_path_factory: pytest.TempPathFactory, varuna_pop
         log = open(base / f"{name}.log", "w")
         proc = varuna_popen(
             [SCRIPTS / "multihost_worker.py", base / name, ",".join(layout.schedules)],
-            pipeline=2, data=2, run_dir=base / f"run-{name}",
-            flags=["--hostfile", str(hosts.hostfile(base / f"{name}.hosts", layout.slots)), "--timeout", "300"],
+            pipeline=2,
+            data=2,
+            run_dir=base / f"run-{name}",
+            flags=[
+                "--hostfile",
+                str(hosts.hostfile(base / f"{name}.hosts", layout.slots)),
+                "--timeout",
+                "300",
+            ],
             env={"VARUNA_MPIEXEC_ARGS": f"{hosts.mpiexec_args} {layout.mpiexec_args}", **layout.env},
-            wrap=hosts.command("h1", [], own_name=layout.own_names), cwd=base, stdout=log,
+            wrap=hosts.command("h1", [], own_name=layout.own_names),
+            cwd=base,
+            stdout=log,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
         procs[name] = (proc, log)
     for name, (proc, log) in procs.items():
         try:

@@ -62,8 +62,14 @@ def test_the_job_outlives_its_starter_and_an_attach_steers_it(tmp_path: Path) ->
         """
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", starter], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", starter],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ctl = wb = None
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
@@ -112,8 +118,13 @@ def test_the_job_outlives_its_starter_and_an_attach_steers_it(tmp_path: Path) ->
 
 @pytest.mark.timeout(60)
 def test_a_dead_agent_fails_the_job_instead_of_hanging(tmp_path: Path) -> None:
-    ctl = JobController.start([str(SCRIPTS / "controller_train.py"), "100000", "0.05"], pipeline=1, data=1,
-                              run_dir=tmp_path / "run", grace_s=2.0)  # fmt: skip
+    ctl = JobController.start(
+        [str(SCRIPTS / "controller_train.py"), "100000", "0.05"],
+        pipeline=1,
+        data=1,
+        run_dir=tmp_path / "run",
+        grace_s=2.0,
+    )
     try:
         assert ctl.wait(40, states=("running", "failed")) == "running", ctl.console.lines
         pid = agent.read_state(ctl.run_dir)["pid"]

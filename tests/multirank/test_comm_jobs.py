@@ -78,9 +78,14 @@ def test_a_cut_changing_shape_while_its_batch_does_not_fails_loudly_unless_heade
     """The stages send a cut's shapes only when the batch's change; a model whose cut shape changes
     on its own stops the job with the setting to change, which then delivers every value."""
     done = varuna_run(
-        [SCRIPTS / "p2p_mismatch.py"], pipeline=2, run_dir=tmp_path / "run", flags=["--timeout", "60"],
-        cwd=tmp_path, timeout=90, check=False,
-    )  # fmt: skip
+        [SCRIPTS / "p2p_mismatch.py"],
+        pipeline=2,
+        run_dir=tmp_path / "run",
+        flags=["--timeout", "60"],
+        cwd=tmp_path,
+        timeout=90,
+        check=False,
+    )
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     assert "PartitionError: micro-batch 1's value at the cut changed shape to float32 (4, 4)" in out
@@ -99,9 +104,15 @@ def test_serial_links_learn_shapes_once_per_batch_shape_and_refuse_a_cut_that_ch
     every micro-batch, which then delivers every value."""
     (tmp_path / "a").mkdir()
     done = varuna_run(
-        [SCRIPTS / "p2p_mismatch.py"], pipeline=2, run_dir=tmp_path / "a" / "run", flags=["--timeout", "60"],
-        cwd=tmp_path / "a", timeout=90, check=False, env={"MISMATCH_LINK": "serial"},
-    )  # fmt: skip
+        [SCRIPTS / "p2p_mismatch.py"],
+        pipeline=2,
+        run_dir=tmp_path / "a" / "run",
+        flags=["--timeout", "60"],
+        cwd=tmp_path / "a",
+        timeout=90,
+        check=False,
+        env={"MISMATCH_LINK": "serial"},
+    )
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     assert "PartitionError: micro-batch 1's value at the cut after stage 0 has shapes float32 (4, 4)" in out
@@ -141,8 +152,9 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
     posted as one batch proceed together. Without the rules gloo
     completes all of it and pairs by tag."""
     (tmp_path / "on").mkdir(), (tmp_path / "off").mkdir()
-    ruled = _two_ranks(varuna_run, tmp_path / "on", "nccl_rules_check.py", "RULES",
-                       VARUNA_NCCL_RULES="1", VARUNA_TIMEOUT="4")  # fmt: skip
+    ruled = _two_ranks(
+        varuna_run, tmp_path / "on", "nccl_rules_check.py", "RULES", VARUNA_NCCL_RULES="1", VARUNA_TIMEOUT="4"
+    )
     for r in (0, 1):
         assert ruled[r]["installed"] is True
         assert ruled[r]["split"] == "completed"
@@ -161,8 +173,15 @@ def test_nccl_rules_on_gloo_show_a_hang_and_a_mispairing_that_gloo_hides(tmp_pat
     # strict (rule 4: a rank's operations on every communicator in one order): a batch still goes
     # through, but a receive posted early on one group holds back a send on the other
     (tmp_path / "strict").mkdir()
-    strict = _two_ranks(varuna_run, tmp_path / "strict", "nccl_rules_check.py", "RULES",
-                        VARUNA_NCCL_RULES="strict", VARUNA_TIMEOUT="4", RULES_CASES="batched,split")  # fmt: skip
+    strict = _two_ranks(
+        varuna_run,
+        tmp_path / "strict",
+        "nccl_rules_check.py",
+        "RULES",
+        VARUNA_NCCL_RULES="strict",
+        VARUNA_TIMEOUT="4",
+        RULES_CASES="batched,split",
+    )
     for r in (0, 1):
         assert strict[r]["batched"] == [6.0 - r, 6.0 - r]
         assert strict[r]["split"].startswith("NcclRuleError") and "strict: rule 4" in strict[r]["split"]
@@ -200,10 +219,19 @@ def test_serial_links_keep_the_strict_rules_and_train_as_plain_training(
 
     done = varuna_run(
         [REPO / "tests" / "gpu" / "_equality_worker.py", tmp_path / "out", "3", *models],
-        pipeline=pipeline, data=data, run_dir=tmp_path / "run", flags=["--timeout", "200"], cwd=tmp_path,
-        env={"VARUNA_NCCL_RULES": "strict", "VARUNA_TIMEOUT": "20", "EQUALITY_SCHEDULES": ",".join(schedules)},
-        timeout=220, check=False,
-    )  # fmt: skip
+        pipeline=pipeline,
+        data=data,
+        run_dir=tmp_path / "run",
+        flags=["--timeout", "200"],
+        cwd=tmp_path,
+        env={
+            "VARUNA_NCCL_RULES": "strict",
+            "VARUNA_TIMEOUT": "20",
+            "EQUALITY_SCHEDULES": ",".join(schedules),
+        },
+        timeout=220,
+        check=False,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "follows NCCL's rules on gloo (VARUNA_NCCL_RULES=strict)" in done.stdout + done.stderr
     for kind in models:

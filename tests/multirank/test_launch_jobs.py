@@ -177,8 +177,22 @@ def test_mpiexec_command_open_mpi(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         default = mpiexec_command(1, ["x.py"], hostfile=None, env=env)
     finally:
         launch.mpi_flavor.cache_clear()
-    assert cmd == [str(fake), "-n", "2", "--oversubscribe", "--hostfile", "h", "-x", "A=1",
-                   "-x", "VARUNA_EVENTS_KEY=s3cret", "-x", "TOKEN", "python", "x.py"]  # fmt: skip
+    assert cmd == [
+        str(fake),
+        "-n",
+        "2",
+        "--oversubscribe",
+        "--hostfile",
+        "h",
+        "-x",
+        "A=1",
+        "-x",
+        "VARUNA_EVENTS_KEY=s3cret",
+        "-x",
+        "TOKEN",
+        "python",
+        "x.py",
+    ]
     assert default[-7:] == ["-x", "A=1", "-x", "VARUNA_EVENTS_KEY", "-x", "TOKEN=t0k", "x.py"]
 
 

@@ -33,9 +33,14 @@ def _run(cmd: list[str], *, timeout: float, **kw: object) -> subprocess.Complete
     """`cmd` to the end in a session of its own; past `timeout` its process group gets SIGTERM, then
     SIGKILL, so no rank outlives the test, and subprocess.TimeoutExpired is raised."""
     proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, **kw,
-    )  # fmt: skip
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
@@ -140,8 +145,10 @@ def _source_tree(dst: Path) -> Path:
     untracked, not ignored), so pip's in-tree build writes its build/ and egg-info there, not here."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.decode()  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     for name in filter(None, listed.split("\0")):
         src = ROOT / name
         if src.is_file():  # a tracked file deleted in the working tree is not there to copy

@@ -90,7 +90,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> dict[str, ob
             [str(out), str(world), str(pretrained)],
             base / f"run{world}",
             base / f"w{world}.log",
-        )  # fmt: skip
+        )
         for world in CONFIGS
     }
     procs["misuse"] = _launch(
@@ -149,8 +149,9 @@ def test_more_families_equal_plain_training_at_2x1(jobs: dict[str, object], kind
 
 
 @pytest.mark.parametrize(("kind", "schedule"), CHUNK_RUNS, ids=[f"{k}-{s}" for k, s in CHUNK_RUNS])
-def test_two_chunks_per_rank_equal_plain_training(jobs: dict[str, object], references: dict, kind: str,
-                                                  schedule: str) -> None:  # fmt: skip
+def test_two_chunks_per_rank_equal_plain_training(
+    jobs: dict[str, object], references: dict, kind: str, schedule: str
+) -> None:
     """interleaved-1f1b / zb-v on a model cut by auto_cut: 4 virtual stages on 2 ranks."""
     _assert_equal_to(_ranks(jobs["out"] / f"{kind}-2x1-{schedule}"), *references[kind])  # type: ignore[operator]
 

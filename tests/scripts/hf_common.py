@@ -29,38 +29,71 @@ def build(kind: str, *, dropout: float = 0.0, seed: int = 1234) -> nn.Module:
     small = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if kind == "gpt2":
         config = transformers.GPT2Config(
-            n_layer=4, n_embd=32, n_head=2, n_positions=SEQ, resid_pdrop=dropout, embd_pdrop=dropout,
-            attn_pdrop=dropout, **small,
-        )  # fmt: skip
+            n_layer=4,
+            n_embd=32,
+            n_head=2,
+            n_positions=SEQ,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            **small,
+        )
         model = transformers.GPT2LMHeadModel(config)
     elif kind == "bert":
         config = transformers.BertConfig(
-            num_hidden_layers=4, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=SEQ, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+            num_hidden_layers=4,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
             **small,
-        )  # fmt: skip
+        )
         model = transformers.BertForMaskedLM(config)
     elif kind == "deberta":  # relative-position embeddings shared by every layer, off the input path
         config = transformers.DebertaV2Config(
-            num_hidden_layers=4, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=SEQ, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-            relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=SEQ,
+            num_hidden_layers=4,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            relative_attention=True,
+            pos_att_type=["p2c", "c2p"],
+            position_buckets=8,
+            max_relative_positions=SEQ,
             **small,
-        )  # fmt: skip
+        )
         model = transformers.DebertaV2ForMaskedLM(config)
     elif kind == "mixtral":  # mixture of experts: routing that the meta device cannot run
         config = transformers.MixtralConfig(
-            num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=SEQ, num_local_experts=4, num_experts_per_tok=2,
-            sliding_window=8, attention_dropout=dropout, **small,
-        )  # fmt: skip
+            num_hidden_layers=4,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=SEQ,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            attention_dropout=dropout,
+            **small,
+        )
         model = transformers.MixtralForCausalLM(config)
     elif kind == "llama":
         config = transformers.LlamaConfig(
-            num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=SEQ, tie_word_embeddings=True,
-            attention_dropout=dropout, **small,
-        )  # fmt: skip
+            num_hidden_layers=4,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=True,
+            attention_dropout=dropout,
+            **small,
+        )
         model = transformers.LlamaForCausalLM(config)
     else:
         raise ValueError(kind)

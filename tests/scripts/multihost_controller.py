@@ -110,8 +110,9 @@ def lose(ctl: JobController, report: dict, fault: list[str]) -> None:
 def main() -> None:
     scenario, run_dir, hostfile, steps = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     report: dict = {}
-    ctl = JobController.start([SCRIPT, str(steps), "0.05"], pipeline=2, data=2, run_dir=run_dir, hostfile=hostfile,
-                              grace_s=3.0)  # fmt: skip
+    ctl = JobController.start(
+        [SCRIPT, str(steps), "0.05"], pipeline=2, data=2, run_dir=run_dir, hostfile=hostfile, grace_s=3.0
+    )
     try:
         if scenario == "steer":
             steer(ctl, report, steps)

@@ -17,9 +17,14 @@ from varuna.controller import JobController
 run_dir, hostfile, interface, steps, pause = sys.argv[1:6]
 script = str(Path(__file__).with_name("straggler_train.py"))
 ctl = JobController.start(
-    [script, steps, pause], pipeline=1, data=2, run_dir=run_dir, hostfile=hostfile, interface=interface,
+    [script, steps, pause],
+    pipeline=1,
+    data=2,
+    run_dir=run_dir,
+    hostfile=hostfile,
+    interface=interface,
     grace_s=10.0,
-)  # fmt: skip
+)
 out: dict = {}
 try:
     # the clock for the flag starts once every rank is ready (start-up under load is not what is timed)

@@ -29,6 +29,13 @@ class EarlyLayerLoss(nn.Module):
 model = EarlyLayerLoss()
 auto_cut(model)
 data = Data("gpt2")
-engine = Varuna(model, pipeline=2, data=1, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                partition=[1], example_batch=collate([data[0], data[1]]))  # fmt: skip
+engine = Varuna(
+    model,
+    pipeline=2,
+    data=1,
+    global_batch_size=GLOBAL_BATCH,
+    micro_batch_size=MICRO_BATCH,
+    partition=[1],
+    example_batch=collate([data[0], data[1]]),
+)
 engine.step(engine.batch(data, 0))

@@ -36,8 +36,16 @@ from varuna.data import collate  # noqa: E402
 out, world, pretrained = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 
 
-def train(tag: str, model: torch.nn.Module, kind: str, P: int, D: int, schedule: str, seed: int | None = None,
-          steps: int = STEPS) -> Varuna:  # fmt: skip
+def train(
+    tag: str,
+    model: torch.nn.Module,
+    kind: str,
+    P: int,
+    D: int,
+    schedule: str,
+    seed: int | None = None,
+    steps: int = STEPS,
+) -> Varuna:
     data = Data(kind)
     auto_cut(model)
     engine = Varuna(

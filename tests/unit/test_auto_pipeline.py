@@ -112,9 +112,12 @@ def test_resize_uses_the_planner_when_the_run_has_a_profile(tmp_path: Path) -> N
     run = run_dir(tmp_path, profile=uniform_table())
     choice = shape_for_gpus(run, 4)
     expected = plan_for(
-        uniform_table(), gpus=4, memory_bytes=64 * GiB, global_batch_size=32,
+        uniform_table(),
+        gpus=4,
+        memory_bytes=64 * GiB,
+        global_batch_size=32,
         fixed=Fixed(micro_batch_size=2, schedule="1f1b", recompute=False),
-    ).best  # fmt: skip
+    ).best
     assert choice.chosen_by == "planner" and choice.shape == Shape(expected.pipeline, expected.data)
     assert choice.reason.startswith(f"planner ({run / 'profile.json'}): predicted ")
     assert "micro-batches of 2, 1f1b" in choice.reason

@@ -275,16 +275,29 @@ def test_transformers_models_built_from_a_config(arch: str) -> None:
     batch = _gpt_batch()
     if arch == "gpt2":
         config = transformers.GPT2Config(
-            n_layer=3, n_embd=32, n_head=2, n_positions=32, use_cache=False,
-            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **small,
-        )  # fmt: skip
+            n_layer=3,
+            n_embd=32,
+            n_head=2,
+            n_positions=32,
+            use_cache=False,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            **small,
+        )
         model, container = _LossOf(transformers.GPT2LMHeadModel(config)), "model.transformer"
         batch["labels"] = batch["input_ids"]  # the model shifts them itself
     else:
         config = transformers.BertConfig(
-            num_hidden_layers=3, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small,
-        )  # fmt: skip
+            num_hidden_layers=3,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **small,
+        )
         model, container = _LossOf(transformers.BertForMaskedLM(config)), "model.bert.encoder"
         mask = torch.ones_like(batch["input_ids"])
         mask[:, 12:] = 0  # padding: every stage needs the mask, computed from the batch
@@ -299,10 +312,21 @@ def test_transformers_models_built_from_a_config(arch: str) -> None:
 
 def test_an_encoder_decoder_model_is_refused() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(num_layers=2, num_decoder_layers=2, d_model=16, d_kv=8, d_ff=32, num_heads=2,
-                                   vocab_size=64, decoder_start_token_id=0)  # fmt: skip
-    with pytest.raises(PartitionError, match=r"cannot cut the encoder-decoder T5ForConditionalGeneration: every "
-                       r"decoder block also reads the encoder's output"):  # fmt: skip
+    config = transformers.T5Config(
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_heads=2,
+        vocab_size=64,
+        decoder_start_token_id=0,
+    )
+    with pytest.raises(
+        PartitionError,
+        match=r"cannot cut the encoder-decoder T5ForConditionalGeneration: every "
+        r"decoder block also reads the encoder's output",
+    ):
         auto_cut(_LossOf(transformers.T5ForConditionalGeneration(config)))
 
 
@@ -321,6 +345,9 @@ def test_a_block_that_runs_twice_per_forward_is_named() -> None:
 
     model = Shared()
     auto_cut(model)
-    with pytest.raises(PartitionError, match=r"block 'groups\.0' ran twice in one forward pass .*reuses one "
-                       r"block's weights"):  # fmt: skip
+    with pytest.raises(
+        PartitionError,
+        match=r"block 'groups\.0' ran twice in one forward pass .*reuses one "
+        r"block's weights",
+    ):
         trace_model(model, {"x": torch.randn(2, 4)})

@@ -75,13 +75,18 @@ def spans_of(timeline, shift: float = 100.0) -> dict[int, list[dict]]:
     chunked = any(sp.stage != s for s, spans in enumerate(timeline.spans) for sp in spans)
     return {
         s: [
-            {"kind": sp.kind, "start": shift + sp.start, "end": shift + sp.end, "mb": sp.microbatch,
-             **({"vstage": sp.stage} if chunked else {})}
+            {
+                "kind": sp.kind,
+                "start": shift + sp.start,
+                "end": shift + sp.end,
+                "mb": sp.microbatch,
+                **({"vstage": sp.stage} if chunked else {}),
+            }
             for sp in spans
             if sp.kind in ("F", "B", "W", "R")
         ]
         for s, spans in enumerate(timeline.spans)
-    }  # fmt: skip
+    }
 
 
 def idle_parts(part: dict[str, float]) -> float:

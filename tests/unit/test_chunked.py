@@ -74,8 +74,9 @@ def test_one_rank_two_chunks_trains_like_plain(name: str) -> None:
     plain = GPT(cfg)
     model = GPT(cfg)
     model.load_state_dict(plain.state_dict())
-    engine = Varuna(model, pipeline=1, global_batch_size=8, micro_batch_size=2, schedule=name,
-                    example_batch=batch)  # fmt: skip
+    engine = Varuna(
+        model, pipeline=1, global_batch_size=8, micro_batch_size=2, schedule=name, example_batch=batch
+    )
     assert engine.chunk_stages == [0, 1]
     calls: list[int] = []
     first_linear = next(m for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear))

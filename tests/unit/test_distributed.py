@@ -90,8 +90,11 @@ def test_rendezvous_gives_up_on_a_store_nobody_started(monkeypatch: pytest.Monke
     port = free_port()  # rank 0, which would serve the store here, never started
     _torchrun_env(monkeypatch, 1, 2, port)
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=rf"rank 1 could not reach the rendezvous store at 127.0.0.1:{port} "
-                       r"\(MASTER_ADDR:MASTER_PORT\) within 1 s: .*is rank 0 running"):  # fmt: skip
+    with pytest.raises(
+        LaunchError,
+        match=rf"rank 1 could not reach the rendezvous store at 127.0.0.1:{port} "
+        r"\(MASTER_ADDR:MASTER_PORT\) within 1 s: .*is rank 0 running",
+    ):
         init_distributed()
     assert time.monotonic() - start < 30
 

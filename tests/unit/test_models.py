@@ -186,8 +186,11 @@ def test_the_model_runs_on_a_stand_in_and_the_loss_says_where_it_came_from(make:
     names = {id(p): n for n, p in model.named_parameters()}
     # A stand-in reaching a module whose parameters this stage trains is an error, naming both.
     with _handling(handler), stand_in_context(1, f"cuts.{cut}", names):
-        with pytest.raises(PartitionError, match=rf"on stage 1, \w+ with parameter 'blocks\.{cut + 1}\..*"
-                           rf"uses the output of module 'blocks\.{cut}'.*CutPoint 'cuts\.{cut}'"):  # fmt: skip
+        with pytest.raises(
+            PartitionError,
+            match=rf"on stage 1, \w+ with parameter 'blocks\.{cut + 1}\..*"
+            rf"uses the output of module 'blocks\.{cut}'.*CutPoint 'cuts\.{cut}'",
+        ):
             model(**batch)
     # Frozen (as on a stage that holds none of them), the model runs on it without data.
     model.requires_grad_(False)

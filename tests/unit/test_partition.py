@@ -201,8 +201,24 @@ def test_bad_explicit_boundaries() -> None:
 
 # The bench GPT's profile (forward + backward seconds of its 16 half-block segments, the last with
 # the LM head), measured on the 2-core host.
-BENCH_SEGMENTS = [0.01399, 0.01568, 0.01171, 0.01546, 0.01175, 0.01535, 0.01133, 0.01531,
-                  0.01171, 0.01516, 0.01127, 0.01540, 0.01178, 0.01516, 0.01284, 0.05077]  # fmt: skip
+BENCH_SEGMENTS = [
+    0.01399,
+    0.01568,
+    0.01171,
+    0.01546,
+    0.01175,
+    0.01535,
+    0.01133,
+    0.01531,
+    0.01171,
+    0.01516,
+    0.01127,
+    0.01540,
+    0.01178,
+    0.01516,
+    0.01284,
+    0.05077,
+]
 
 
 def test_fastest_cut_is_balanced_where_the_schedule_wants_it_and_moves_where_it_does_not() -> None:

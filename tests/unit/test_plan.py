@@ -74,8 +74,15 @@ def test_schedules_that_run_the_same_actions_are_one_candidate() -> None:
     assert not {(2, "eager-1f1b", True), (2, "varuna", False)} & at
     # two chunks on one rank would only add hand-offs: ruled out at P=1, with the reason
     assert {r.schedule for r in result.rejected if r.pipeline == 1} == {"interleaved-1f1b", "zb-v"}
-    flipped = plan(uniform_table(), gpus=2, memory_bytes=64 * GiB, global_batch_size=32,
-                   micro_batch_sizes=(2,), schedules=("varuna", "1f1b"), pipelines=(1,))  # fmt: skip
+    flipped = plan(
+        uniform_table(),
+        gpus=2,
+        memory_bytes=64 * GiB,
+        global_batch_size=32,
+        micro_batch_sizes=(2,),
+        schedules=("varuna", "1f1b"),
+        pipelines=(1,),
+    )
     assert [(c.schedule, c.recompute) for c in flipped.ranked] == [("varuna", False)]
 
 

@@ -15,8 +15,9 @@ def test_speeds_are_measured_against_each_stages_peers() -> None:
         {"type": "hello", "rank": r, "host": h, "job": "j"} for r, h in enumerate(["a", "b", "c", "d"])
     ] + [
         {"type": "step_metrics", "rank": r, "stage": r % 2, "step": s, "compute_s": t, "job": "j"}
-        for s in range(3) for r, t in enumerate([0.1, 0.2, 0.1, 0.5])
-    ]  # fmt: skip
+        for s in range(3)
+        for r, t in enumerate([0.1, 0.2, 0.1, 0.5])
+    ]
     # P=2, D=2: d (stage 1) takes 0.5 s where its peer b takes 0.2 s
     assert host_speeds(events) == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.4}
 

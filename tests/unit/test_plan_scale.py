@@ -97,14 +97,33 @@ ONE_CHUNK = ("gpipe", "1f1b", "varuna", "zb-h1")
 @pytest.mark.parametrize("case", sorted(BEFORE))
 def test_same_answers_as_the_planner_before_it_was_made_fast(case: str) -> None:
     shared, gpus, batch, memory, ranked, rejected, digest = BEFORE[case]
-    result = plan(varied_table(shared=shared), gpus=gpus, memory_bytes=memory, global_batch_size=batch,
-                  schedules=ONE_CHUNK)  # the schedules of then  # fmt: skip
+    result = plan(
+        varied_table(shared=shared),
+        gpus=gpus,
+        memory_bytes=memory,
+        global_batch_size=batch,
+        schedules=ONE_CHUNK,
+    )  # the schedules of then
     seen = {
-        "ranked": [[c.pipeline, c.data, c.micro_batch_size, c.schedule, c.recompute, c.predicted_step_s,
-                    c.max_memory_bytes] for c in result.ranked],
-        "rejected": sorted([[r.pipeline, r.micro_batch_size or 0, r.schedule or "", bool(r.recompute), r.kind]
-                            for r in result.rejected]),
-    }  # fmt: skip
+        "ranked": [
+            [
+                c.pipeline,
+                c.data,
+                c.micro_batch_size,
+                c.schedule,
+                c.recompute,
+                c.predicted_step_s,
+                c.max_memory_bytes,
+            ]
+            for c in result.ranked
+        ],
+        "rejected": sorted(
+            [
+                [r.pipeline, r.micro_batch_size or 0, r.schedule or "", bool(r.recompute), r.kind]
+                for r in result.rejected
+            ]
+        ),
+    }
     assert (len(result.ranked), len(result.rejected)) == (ranked, rejected)
     assert hashlib.sha256(json.dumps(seen).encode()).hexdigest()[:16] == digest
 
@@ -143,8 +162,14 @@ def test_by_stage_simulation_equals_the_event_simulation() -> None:
             for recompute in (False, True):
                 lists = lowered(name, p, m, recompute=recompute)
                 assert lists == build_schedule(name, p, m, recompute=recompute)  # the same lists, unvalidated
-                costs = [StageCost(forward_s=rng.uniform(1, 3), backward_s=rng.uniform(2, 6),
-                                   recompute_s=rng.uniform(1, 3)) for _ in range(p)]  # fmt: skip
+                costs = [
+                    StageCost(
+                        forward_s=rng.uniform(1, 3),
+                        backward_s=rng.uniform(2, 6),
+                        recompute_s=rng.uniform(1, 3),
+                    )
+                    for _ in range(p)
+                ]
                 comm = [rng.uniform(0, 2) for _ in range(p - 1)]
                 reduce = [rng.uniform(0, 1) for _ in range(p)]
                 sim = _Simulation(lists, costs, comm, reduce, False, None, messages)
@@ -197,8 +222,12 @@ def test_two_chunks_per_rank_are_priced_by_host() -> None:
 
 
 def test_limits_name_memory_when_a_shallower_pipeline_does_not_fit() -> None:
-    result = plan(paper_table(PaperGPT(n_layer=8, d_model=2048, seq=1024)), gpus=8, memory_bytes="8GiB",
-                  global_batch_size=64)  # fmt: skip
+    result = plan(
+        paper_table(PaperGPT(n_layer=8, d_model=2048, seq=1024)),
+        gpus=8,
+        memory_bytes="8GiB",
+        global_batch_size=64,
+    )
     e = explain(result)
     assert e["pipeline"] == result.best.pipeline > 1 and e["limited_by"][0] == "memory"
     assert e["fewer_stages"]["fits"] is False and "out of memory" in e["fewer_stages"]["why"]
@@ -207,8 +236,19 @@ def test_limits_name_memory_when_a_shallower_pipeline_does_not_fit() -> None:
 
 def test_cli_plans_1024_gpus_over_hosts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = paper_table().save(tmp_path / "profile.json")
-    args = ["plan", "--gpus", "1024", "--memory", "80GiB", "--profile", str(path), "--global-batch", "1024",
-            "--gpus-per-host", "8"]  # fmt: skip
+    args = [
+        "plan",
+        "--gpus",
+        "1024",
+        "--memory",
+        "80GiB",
+        "--profile",
+        str(path),
+        "--global-batch",
+        "1024",
+        "--gpus-per-host",
+        "8",
+    ]
     start = time.perf_counter()
     assert main([*args, "--json", "--top", "3"]) == 0
     took = time.perf_counter() - start
@@ -251,8 +291,14 @@ def test_nothing_fits_names_the_same_smallest_requirement_fast_or_not(
     messages = []
     for fast in (True, False):
         with pytest.raises(PlanError, match="nothing fits in 512.0 MiB per device") as info:
-            plan(varied_table(), gpus=8, memory_bytes=GiB // 2, global_batch_size=32, schedules=schedules,  # type: ignore[arg-type]
-                 fast=fast)  # fmt: skip
+            plan(
+                varied_table(),
+                gpus=8,
+                memory_bytes=GiB // 2,
+                global_batch_size=32,
+                schedules=schedules,  # type: ignore[arg-type]
+                fast=fast,
+            )
         messages.append(str(info.value))
     assert messages[0] == messages[1]
     if schedules:

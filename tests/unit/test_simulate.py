@@ -38,9 +38,15 @@ def test_slow_stage_is_the_bottleneck_1f1b() -> None:
     assert t.step_s == 1 + 4 * 9 + 2 == 39.0
     assert t.idle_s == [27.0, 3.0, 27.0]
     assert compute(t.spans[1]) == [
-        ("F0", 1, 4), ("F1", 4, 7), ("B0", 7, 13), ("F2", 13, 16),
-        ("B1", 16, 22), ("F3", 22, 25), ("B2", 25, 31), ("B3", 31, 37),
-    ]  # fmt: skip
+        ("F0", 1, 4),
+        ("F1", 4, 7),
+        ("B0", 7, 13),
+        ("F2", 13, 16),
+        ("B1", 16, 22),
+        ("F3", 22, 25),
+        ("B2", 25, 31),
+        ("B3", 31, 37),
+    ]
 
 
 def test_slow_stage_is_the_bottleneck_gpipe() -> None:
@@ -96,8 +102,15 @@ def test_a_transport_that_never_reports_arrival_steers_the_pull_ahead() -> None:
     # ahead of its first RECV_B (even when the gradient is long there), the others never pull
     blind = simulate("varuna", 3, 4, [U] * 3, sees_arrivals=False, **kw)  # type: ignore[arg-type]
     assert [f"{sp.kind}{sp.microbatch}" for sp in blind.spans[0] if sp.kind in "FB"] == [
-        "F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3",
-    ]  # fmt: skip
+        "F0",
+        "F1",
+        "F2",
+        "F3",
+        "B0",
+        "B1",
+        "B2",
+        "B3",
+    ]
     plain = simulate("varuna", 3, 4, [U] * 3, opportunistic=False, **kw)  # type: ignore[arg-type]
     assert [sp.kind for sp in blind.spans[1]] == [sp.kind for sp in plain.spans[1]]
     assert [sp.kind for sp in blind.spans[2]] == [sp.kind for sp in plain.spans[2]]
@@ -123,11 +136,21 @@ def test_pull_ahead_fills_the_wait_for_a_late_gradient() -> None:
     ahead = simulate("varuna", 2, 3, [even, even], **kw)  # type: ignore[arg-type]
     # without pull-ahead stage 0 idles in RECV_B0 [2, 7] before it may send F2; with it, F2 runs at 2
     assert [f"{sp.kind}{sp.microbatch}" for sp in plain.spans[0] if sp.kind in "FB"] == [
-        "F0", "F1", "B0", "F2", "B1", "B2",
-    ]  # fmt: skip
+        "F0",
+        "F1",
+        "B0",
+        "F2",
+        "B1",
+        "B2",
+    ]
     assert compute(ahead.spans[0]) == [
-        ("F0", 0, 1), ("F1", 1, 2), ("F2", 2, 3), ("B0", 7, 8), ("B1", 9, 10), ("B2", 11, 12),
-    ]  # fmt: skip
+        ("F0", 0, 1),
+        ("F1", 1, 2),
+        ("F2", 2, 3),
+        ("B0", 7, 8),
+        ("B1", 9, 10),
+        ("B2", 11, 12),
+    ]
     assert (plain.step_s, ahead.step_s) == (16.0, 12.0)
     assert (sum(plain.idle_s), sum(ahead.idle_s)) == (20.0, 12.0)
     assert ahead.peak_inflight == [3, 1]  # pulling ahead holds one more micro-batch
@@ -140,8 +163,13 @@ def test_pull_ahead_waits_for_the_forward_input() -> None:
     t = simulate("varuna", 3, 3, [slow_f, even, slow_b], recompute=False)
     # at 9 stage 1 lacks gradient 0 (arrives 16) but F2's input arrives only at 12: it waits for B0
     assert compute(t.spans[1]) == [
-        ("F0", 4, 5), ("F1", 8, 9), ("B0", 16, 17), ("F2", 17, 18), ("B1", 27, 28), ("B2", 38, 39),
-    ]  # fmt: skip
+        ("F0", 4, 5),
+        ("F1", 8, 9),
+        ("B0", 16, 17),
+        ("F2", 17, 18),
+        ("B1", 27, 28),
+        ("B2", 38, 39),
+    ]
     assert t.step_s == 40.0
 
 
@@ -151,8 +179,12 @@ def test_pull_ahead_on_uniform_stages_keeps_the_step_but_holds_more() -> None:
     # a value arriving exactly when a stage looks counts as there, so stage 1 pulls F2 ahead; F3
     # would hold a fourth micro-batch, one more than pull_ahead_room(1, 3) = 1F1B's 2 plus one
     assert [f"{sp.kind}{sp.microbatch}" for sp in t.spans[1] if sp.kind in "FB"][:5] == [
-        "F0", "F1", "F2", "B0", "F3",
-    ]  # fmt: skip
+        "F0",
+        "F1",
+        "F2",
+        "B0",
+        "F3",
+    ]
     assert t.peak_inflight == [4, 3, 1]
 
 
@@ -162,8 +194,13 @@ def test_pull_ahead_holds_at_most_one_micro_batch_more_than_1f1b() -> None:
     blind = {"sees_arrivals": False}
     eager = simulate("eager-1f1b", 2, 8, [U] * 2, **blind)  # type: ignore[arg-type]
     assert [f"{sp.kind}{sp.microbatch}" for sp in eager.spans[0] if sp.kind in "FB"][:6] == [
-        "F0", "F1", "F2", "B0", "F3", "B1",
-    ]  # fmt: skip
+        "F0",
+        "F1",
+        "F2",
+        "B0",
+        "F3",
+        "B1",
+    ]
     assert eager.peak_inflight == [pull_ahead_room(0, 2), 1] == [3, 1]
     assert simulate("1f1b", 2, 8, [U] * 2, **blind).peak_inflight == [2, 1]  # type: ignore[arg-type]
     varuna = simulate("varuna", 2, 8, [U] * 2, **blind)  # type: ignore[arg-type]

@@ -98,9 +98,20 @@ def test_srun_command_keeps_values_off_the_command_line(tmp_path: Path) -> None:
     env = {"VARUNA_SRUN": str(fake), "VARUNA_SRUN_ARGS": "--gpus-per-task=1 --partition 'big one'"}
     cmd = srun_command(4, ["python", "-m", "varuna.launch.worker", "t.py"], env)
     assert cmd == [
-        str(fake), "--gpus-per-task=1", "--partition", "big one", "--ntasks=4", "--kill-on-bad-exit=1",
-        "--mpi=none", "--export=ALL", "--unbuffered", "python", "-m", "varuna.launch.worker", "t.py",
-    ]  # fmt: skip
+        str(fake),
+        "--gpus-per-task=1",
+        "--partition",
+        "big one",
+        "--ntasks=4",
+        "--kill-on-bad-exit=1",
+        "--mpi=none",
+        "--export=ALL",
+        "--unbuffered",
+        "python",
+        "-m",
+        "varuna.launch.worker",
+        "t.py",
+    ]
     with pytest.raises(ConfigError, match="VARUNA_SRUN_ARGS is not a valid list of shell words"):
         srun_command(1, ["x"], {**env, "VARUNA_SRUN_ARGS": "'open"})
     with pytest.raises(LaunchError, match="no `/nowhere/srun` found"):

@@ -67,8 +67,11 @@ def test_leaves_are_pytrees_leaves_in_its_order() -> None:
 def test_values_of_a_stand_in_cannot_be_read() -> None:
     x = _stand_in(3, origin="transformer.h.2")
     with stand_in_context(1, "transformer.varuna_cuts.3", {}):
-        with pytest.raises(PartitionError, match=r"on stage 1, .*item.*uses the output of module 'transformer\.h\.2'"
-                           r".*CutPoint 'transformer\.varuna_cuts\.3' \(where stage 1 starts\)"):  # fmt: skip
+        with pytest.raises(
+            PartitionError,
+            match=r"on stage 1, .*item.*uses the output of module 'transformer\.h\.2'"
+            r".*CutPoint 'transformer\.varuna_cuts\.3' \(where stage 1 starts\)",
+        ):
             x.sum().item()
         with pytest.raises(PartitionError, match="needs the values and not only the shape"):
             bool(x.any())
@@ -79,8 +82,11 @@ def test_a_stand_in_into_a_trained_parameter_or_a_real_tensor_in_place_is_an_err
     names = {id(p): f"head.{n}" for n, p in layer.named_parameters()}
     x = _stand_in(2, 3, origin="encoder.layer.1")
     with stand_in_context(2, "encoder.varuna_cuts.1", names):
-        with pytest.raises(PartitionError, match=r"linear with parameter 'head\.weight' uses the output of module "
-                           r"'encoder\.layer\.1'"):  # fmt: skip
+        with pytest.raises(
+            PartitionError,
+            match=r"linear with parameter 'head\.weight' uses the output of module "
+            r"'encoder\.layer\.1'",
+        ):
             layer(x)
         real = torch.zeros(2, 3)
         with pytest.raises(PartitionError, match=r"in-place add_ into a tensor of this stage"):
@@ -143,8 +149,11 @@ def test_the_traces_shapes_serve_where_the_meta_device_cannot() -> None:
     out = skipped(x)
     assert isinstance(out, StandIn) and out.shape == (3, 8) and out.origin == "0"
     with stand_in_context(1, "cuts.0", {}):
-        with pytest.raises(PartitionError, match=r"stage 1 skips module '0' .*the start-up trace saw no call "
-                           r"with these input shapes, and running it on the meta device failed"):  # fmt: skip
+        with pytest.raises(
+            PartitionError,
+            match=r"stage 1 skips module '0' .*the start-up trace saw no call "
+            r"with these input shapes, and running it on the meta device failed",
+        ):
             skipped(torch.randn(5, 8))
 
 

@@ -17,19 +17,34 @@ from varuna.telemetry.stragglers import StragglerConfig, StragglerDetector, comp
 
 def hellos(hosts: list[str], pipeline: int, job: str = "j1") -> list[dict]:
     return [
-        {"type": "hello", "rank": r, "host": h, "stage": r % pipeline, "replica": r // pipeline,
-         "world": len(hosts), "job": job}
+        {
+            "type": "hello",
+            "rank": r,
+            "host": h,
+            "stage": r % pipeline,
+            "replica": r // pipeline,
+            "world": len(hosts),
+            "job": job,
+        }
         for r, h in enumerate(hosts)
-    ]  # fmt: skip
+    ]
 
 
 def steps(times: list[list[float]], pipeline: int, first: int = 0, job: str = "j1") -> list[dict]:
     """times[step][rank] -> step_metrics events, rank by rank."""
     return [
-        {"type": "step_metrics", "rank": r, "stage": r % pipeline, "replica": r // pipeline,
-         "step": first + s, "compute_s": t, "job": job}
-        for s, row in enumerate(times) for r, t in enumerate(row)
-    ]  # fmt: skip
+        {
+            "type": "step_metrics",
+            "rank": r,
+            "stage": r % pipeline,
+            "replica": r // pipeline,
+            "step": first + s,
+            "compute_s": t,
+            "job": job,
+        }
+        for s, row in enumerate(times)
+        for r, t in enumerate(row)
+    ]
 
 
 def test_a_replica_slower_than_its_peers_is_flagged_after_k_steps_with_its_host() -> None:

@@ -34,10 +34,24 @@ def fed(
             ctl.store.add(e)
     for rank in range(stages):
         ctl.store.add(
-            {"type": "hello", "rank": rank, "stage": rank, "replica": 0, "step": 0, "job": "bench", "launch": 1,
-             "seq": 0, "time": 999.0, "pipeline": stages, "data": 1, "num_microbatches": microbatches,
-             "schedule": "1f1b", "host": "h", "pid": 100 + rank}
-        )  # fmt: skip
+            {
+                "type": "hello",
+                "rank": rank,
+                "stage": rank,
+                "replica": 0,
+                "step": 0,
+                "job": "bench",
+                "launch": 1,
+                "seq": 0,
+                "time": 999.0,
+                "pipeline": stages,
+                "data": 1,
+                "num_microbatches": microbatches,
+                "schedule": "1f1b",
+                "host": "h",
+                "pid": 100 + rank,
+            }
+        )
     wb = Workbench(controller=ctl, replay=kw.pop("replay", False), **kw)
     if not background:
         wb._stop_refresher()
@@ -138,9 +152,22 @@ def test_rows_follow_the_newest_launch_after_a_resize(tmp_path: Path) -> None:
         for e in synthetic_step_events(3, 4, 4, launch=2, t0=2000.0):
             ctl.store.add(e)
         ctl.store.add(
-            {"type": "hello", "rank": 0, "stage": 0, "replica": 0, "step": 3, "job": "bench", "launch": 2,
-             "seq": 99, "time": 1999.0, "pipeline": 4, "data": 1, "num_microbatches": 4, "schedule": "1f1b"}
-        )  # fmt: skip
+            {
+                "type": "hello",
+                "rank": 0,
+                "stage": 0,
+                "replica": 0,
+                "step": 3,
+                "job": "bench",
+                "launch": 2,
+                "seq": 99,
+                "time": 1999.0,
+                "pipeline": 4,
+                "data": 1,
+                "num_microbatches": 4,
+                "schedule": "1f1b",
+            }
+        )
         assert wb.refresh()
         assert tick_labels(wb) == [figures.row_label(s, 0) for s in range(4)]
         assert wb.curves_fig.layout["annotations"][0]["text"] == "4×1"
@@ -286,11 +313,17 @@ def test_a_ranks_two_chunks_are_drawn_apart() -> None:
     from varuna.telemetry.store import SpanRecord, Timeline, TimelineRow
 
     rows = [
-        TimelineRow(stage=s, replica=0, rank=s, spans=[
-            SpanRecord("F", 0, 0.0, 0.001, 1, s, vstage=s), SpanRecord("F", 0, 0.002, 0.003, 1, s, vstage=2 + s),
-        ])
+        TimelineRow(
+            stage=s,
+            replica=0,
+            rank=s,
+            spans=[
+                SpanRecord("F", 0, 0.0, 0.001, 1, s, vstage=s),
+                SpanRecord("F", 0, 0.002, 0.003, 1, s, vstage=2 + s),
+            ],
+        )
         for s in (0, 1)
-    ]  # fmt: skip
+    ]
     traces = {t["name"]: t for t in figures.timeline_traces(Timeline([1], rows, 0.0, 0.003))}
     forward = traces[figures._NAMES["F"]]
     assert forward["marker"]["pattern"]["shape"] == ["", "/", "", "/"]

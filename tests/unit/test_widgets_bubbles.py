@@ -19,8 +19,14 @@ from varuna.telemetry import compare_step, step_spans  # noqa: E402
 
 
 def simulated_spans(p: int, m: int, comm: float = 0.0) -> dict[int, list[dict]]:
-    t = simulate("1f1b", p, m, [StageCost(forward_s=0.01, backward_s=0.02)] * p, comm=[comm] * (p - 1),
-                 split_backward=False)  # fmt: skip
+    t = simulate(
+        "1f1b",
+        p,
+        m,
+        [StageCost(forward_s=0.01, backward_s=0.02)] * p,
+        comm=[comm] * (p - 1),
+        split_backward=False,
+    )
     return {
         s: [
             {"kind": sp.kind, "start": 5.0 + sp.start, "end": 5.0 + sp.end, "mb": sp.microbatch}
@@ -60,10 +66,23 @@ def test_workbench_draws_the_newest_whole_step(tmp_path: Path) -> None:
             ctl.store.add(e)
     for rank in range(2):
         ctl.store.add(
-            {"type": "hello", "rank": rank, "stage": rank, "replica": 0, "step": 0, "job": "bench", "launch": 1,
-             "seq": 0, "time": 999.0, "pipeline": 2, "data": 1, "num_microbatches": 4, "schedule": "1f1b",
-             "device": "cpu"}
-        )  # fmt: skip
+            {
+                "type": "hello",
+                "rank": rank,
+                "stage": rank,
+                "replica": 0,
+                "step": 0,
+                "job": "bench",
+                "launch": 1,
+                "seq": 0,
+                "time": 999.0,
+                "pipeline": 2,
+                "data": 1,
+                "num_microbatches": 4,
+                "schedule": "1f1b",
+                "device": "cpu",
+            }
+        )
     wb = Workbench(controller=ctl, last_steps=2)
     try:
         wb._stop_refresher()
@@ -73,8 +92,9 @@ def test_workbench_draws_the_newest_whole_step(tmp_path: Path) -> None:
             fig.layout["title"]["text"].startswith("step 2: ") and "P=2, M=4" in fig.layout["title"]["text"]
         )
         assert len(fig.data) == 3 and len(fig.data[0]["y"]) == 4
-        expected = figures.bubble_figure(compare_step(step_spans(ctl.timeline(1)), "1f1b", 2, 4, step=2,
-                                                      sees_arrivals=False))  # fmt: skip
+        expected = figures.bubble_figure(
+            compare_step(step_spans(ctl.timeline(1)), "1f1b", 2, 4, step=2, sees_arrivals=False)
+        )
         assert fig.data == expected["data"]
         # rank 1's spans of step 3 have not come yet: the figure stays on step 2, then moves
         events = synthetic_step_events(3, 2, 4, t0=1003.0)

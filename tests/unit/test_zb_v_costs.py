@@ -37,11 +37,14 @@ def _idle(step_s: float, costs: list[StageCost], p: int, m: int) -> float:
     return 1 - sum(map(sum, _triples(costs))) * m / p / step_s
 
 
-@pytest.mark.parametrize(("work", "unit_above", "timed_below"), [
-    ([0.6, 1.0, 1.0, 1.4], 0.14, 0.05),
-    ([0.5, 1.1, 0.9, 1.5], 0.14, 0.05),
-    ([1.0, 1.0, 1.0, 1.0], 0.05, 0.04),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("work", "unit_above", "timed_below"),
+    [
+        ([0.6, 1.0, 1.0, 1.4], 0.14, 0.05),
+        ([0.5, 1.1, 0.9, 1.5], 0.14, 0.05),
+        ([1.0, 1.0, 1.0, 1.0], 0.05, 0.04),
+    ],
+)
 def test_the_timed_order_leaves_the_first_rank_less_idle(work, unit_above, timed_below) -> None:
     p, m, costs = 2, 8, _costs(work)
     timed = simulate("zb-v", p, m, costs, split_backward=True)  # the simulator fits it as the engine does

@@ -62,8 +62,14 @@ def warned(call: Callable[[], Any]) -> tuple[Any, list[str]]:
 
 def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`python -m varuna ARGV` in the bench's environment."""
-    return subprocess.run([sys.executable, "-m", "varuna", *argv], env=bench_env(60), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "varuna", *argv],
+        env=bench_env(60),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def cli_user_error(argv: list[str], says: str) -> Result:

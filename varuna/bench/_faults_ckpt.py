@@ -26,8 +26,14 @@ def engine(run_dir: Path, **kw: Any) -> tuple[Any, Any]:
     torch.manual_seed(0)
     cfg = gpt_tiny()
     data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
-    eng = Varuna(GPT(cfg), global_batch_size=4, micro_batch_size=2, run_dir=run_dir,
-                 example_batch=collate([data[0], data[1]]), **kw)  # fmt: skip
+    eng = Varuna(
+        GPT(cfg),
+        global_batch_size=4,
+        micro_batch_size=2,
+        run_dir=run_dir,
+        example_batch=collate([data[0], data[1]]),
+        **kw,
+    )
     eng.set_optimizer(torch.optim.AdamW(eng.parameters(), lr=1e-2))
     return eng, data
 
@@ -190,22 +196,58 @@ def retention_after_older_resume(tmp: Path) -> Result:
 def cases() -> list[Case]:
     refused_meta = r"metadata.json is not JSON .*never unpickled"
     return [
-        Case("forged .metadata pickle", "attack",
-             "never unpickled: verify/resume/consolidate work, marker file absent", forged_dcp_metadata),
-        Case("pickle as metadata.json", "attack", "CheckpointError: not JSON, never unpickled; no code ran",
-             pickle_in_place_of("metadata.json", refused_meta)),
-        Case("pickle as extra.json", "attack", "CheckpointError: extra.json cannot be read; no code ran",
-             pickle_in_place_of("extra.json", r"extra.json cannot be read")),
-        Case("latest -> ../../outside", "attack", "ignored with a warning; newest valid step-00000002",
-             latest_pointing("../../outside")),
-        Case("latest -> /tmp (absolute)", "attack", "ignored with a warning; newest valid step-00000002",
-             latest_pointing("/tmp")),
-        Case("latest -> symlink out of checkpoints/", "attack",
-             "symlink not followed; warning; step-00000002", latest_pointing(None)),
-        Case("damaged latest (truncated data)", "fault", "warning names the fallback; resume at step 1",
-             damaged_latest),
-        Case("ENOSPC during a checkpoint", "fault",
-             "CheckpointError (ENOSPC); previous checkpoint intact; no leftovers", full_disk),
-        Case("retention after resuming an older step", "fault",
-             "the checkpoint just committed kept; latest names it", retention_after_older_resume),
-    ]  # fmt: skip
+        Case(
+            "forged .metadata pickle",
+            "attack",
+            "never unpickled: verify/resume/consolidate work, marker file absent",
+            forged_dcp_metadata,
+        ),
+        Case(
+            "pickle as metadata.json",
+            "attack",
+            "CheckpointError: not JSON, never unpickled; no code ran",
+            pickle_in_place_of("metadata.json", refused_meta),
+        ),
+        Case(
+            "pickle as extra.json",
+            "attack",
+            "CheckpointError: extra.json cannot be read; no code ran",
+            pickle_in_place_of("extra.json", r"extra.json cannot be read"),
+        ),
+        Case(
+            "latest -> ../../outside",
+            "attack",
+            "ignored with a warning; newest valid step-00000002",
+            latest_pointing("../../outside"),
+        ),
+        Case(
+            "latest -> /tmp (absolute)",
+            "attack",
+            "ignored with a warning; newest valid step-00000002",
+            latest_pointing("/tmp"),
+        ),
+        Case(
+            "latest -> symlink out of checkpoints/",
+            "attack",
+            "symlink not followed; warning; step-00000002",
+            latest_pointing(None),
+        ),
+        Case(
+            "damaged latest (truncated data)",
+            "fault",
+            "warning names the fallback; resume at step 1",
+            damaged_latest,
+        ),
+        Case(
+            "ENOSPC during a checkpoint",
+            "fault",
+            "CheckpointError (ENOSPC); previous checkpoint intact; no leftovers",
+            full_disk,
+        ),
+        Case(
+            "retention after resuming an older step",
+            "fault",
+            "the checkpoint just committed kept; latest names it",
+            retention_after_older_resume,
+        ),
+    ]

@@ -108,16 +108,22 @@ def heartbeat_env(tmp: Path) -> Result:
 def silent_after(tmp: Path) -> Result:
     from varuna.controller import JobController
 
-    return raises(lambda: JobController(tmp, silent_after_s=-1), ConfigError,
-                  r"silent_after_s must be a number of seconds > 0")  # fmt: skip
+    return raises(
+        lambda: JobController(tmp, silent_after_s=-1),
+        ConfigError,
+        r"silent_after_s must be a number of seconds > 0",
+    )
 
 
 def max_restarts(tmp: Path) -> Result:
     from varuna.bench._faults_jobs import TRAIN
     from varuna.controller import JobController
 
-    start = lambda: JobController.start([str(TRAIN), "1", "0"], pipeline=1, data=1, run_dir=tmp / "run",  # noqa: E731
-                                        max_restarts=-1)  # fmt: skip
+    def start() -> Any:
+        return JobController.start(
+            [str(TRAIN), "1", "0"], pipeline=1, data=1, run_dir=tmp / "run", max_restarts=-1
+        )
+
     ok, seen = raises(start, ConfigError, r"max_restarts must be an integer >= 0, got -1")
     return ok and not (tmp / "run" / "agent").exists(), seen
 
@@ -147,38 +153,103 @@ def _corrupt_engine_json(tmp: Path) -> list[str]:
 
 def cases() -> list[Case]:
     return [
-        Case("checkpoint_kep=2", "bad input", "ConfigError: did you mean 'checkpoint_keep'? lists options",
-             varuna_with(checkpoint_kep=2)),
-        Case('checkpoint_keep="2"', "bad input", "ConfigError: a positive integer, got '2'",
-             varuna_with(checkpoint_keep="2")),
-        Case("profile_repeats=0", "bad input", "ConfigError: a positive integer, got 0",
-             varuna_with(profile_repeats=0)),
+        Case(
+            "checkpoint_kep=2",
+            "bad input",
+            "ConfigError: did you mean 'checkpoint_keep'? lists options",
+            varuna_with(checkpoint_kep=2),
+        ),
+        Case(
+            'checkpoint_keep="2"',
+            "bad input",
+            "ConfigError: a positive integer, got '2'",
+            varuna_with(checkpoint_keep="2"),
+        ),
+        Case(
+            "profile_repeats=0",
+            "bad input",
+            "ConfigError: a positive integer, got 0",
+            varuna_with(profile_repeats=0),
+        ),
         Case("bucket_mb=0", "bad input", "ConfigError: a number > 0, got 0", varuna_with(bucket_mb=0)),
-        Case("engine.step([batch])", "bad input", "ConfigError: step() takes one batch dict (got a list)",
-             engine_call(lambda e, d: e.step([e.batch(d, 0)]), r"step\(\) takes one batch dict, .*\(got a list\)")),
-        Case("engine.batch(TensorDataset)", "bad input", "ConfigError: a sample must be a dict of tensors",
-             engine_call(_tensor_dataset, r"a sample must be a dict of tensors.*TensorDataset")),
-        Case("a tensor as dataset", "bad input", "ConfigError: a tensor is not a dataset of dicts; wrap it",
-             engine_call(_tensor, r"a tensor is not a dataset of dicts; wrap it")),
-        Case("an IterableDataset shorter than a global batch", "bad input",
-             "ConfigError: the stream ends before step 0's global batch",
-             engine_call(_iterable, r"the stream ended after 1 samples, before step 0's global batch")),
-        Case("varuna run --elastic --hostfile missing", "bad input", "exit 2, one line: hostfile not found",
-             cli_case(_missing_hostfile, "hostfile not found")),
-        Case("hostfile slots=abc", "bad input", "exit 2, one line naming line 1",
-             cli_case(_bad_slots, "line 1: expected `host`")),
-        Case("varuna resize --gpus 2, corrupt engine.json", "bad input", "exit 2, one line: not readable JSON",
-             cli_case(_corrupt_engine_json, "engine.json is not readable JSON")),
-        Case('ctl.set(spans_every="x")', "bad input", "ConfigError before sending; nothing launched",
-             controller_call(lambda c: c.set(spans_every="x"), r"set\(spans_every=...\) takes an integer >= 1")),
-        Case("ctl.set(span_every=2) (misspelt)", "bad input", "ConfigError listing the valid options",
-             controller_call(lambda c: c.set(span_every=2), r"no option 'span_every'; valid: paused")),
-        Case('ctl.resume(pipeline="2")', "bad input", "ConfigError at once; no launch, no hang",
-             controller_call(lambda c: c.resume(pipeline="2"), r"resume\(pipeline=...\) takes a positive integer")),
-        Case("ctl.resume(pipeline=0)", "bad input", "ConfigError (not silently the last shape)",
-             controller_call(lambda c: c.resume(pipeline=0), r"resume\(pipeline=...\).*got 0")),
+        Case(
+            "engine.step([batch])",
+            "bad input",
+            "ConfigError: step() takes one batch dict (got a list)",
+            engine_call(
+                lambda e, d: e.step([e.batch(d, 0)]), r"step\(\) takes one batch dict, .*\(got a list\)"
+            ),
+        ),
+        Case(
+            "engine.batch(TensorDataset)",
+            "bad input",
+            "ConfigError: a sample must be a dict of tensors",
+            engine_call(_tensor_dataset, r"a sample must be a dict of tensors.*TensorDataset"),
+        ),
+        Case(
+            "a tensor as dataset",
+            "bad input",
+            "ConfigError: a tensor is not a dataset of dicts; wrap it",
+            engine_call(_tensor, r"a tensor is not a dataset of dicts; wrap it"),
+        ),
+        Case(
+            "an IterableDataset shorter than a global batch",
+            "bad input",
+            "ConfigError: the stream ends before step 0's global batch",
+            engine_call(_iterable, r"the stream ended after 1 samples, before step 0's global batch"),
+        ),
+        Case(
+            "varuna run --elastic --hostfile missing",
+            "bad input",
+            "exit 2, one line: hostfile not found",
+            cli_case(_missing_hostfile, "hostfile not found"),
+        ),
+        Case(
+            "hostfile slots=abc",
+            "bad input",
+            "exit 2, one line naming line 1",
+            cli_case(_bad_slots, "line 1: expected `host`"),
+        ),
+        Case(
+            "varuna resize --gpus 2, corrupt engine.json",
+            "bad input",
+            "exit 2, one line: not readable JSON",
+            cli_case(_corrupt_engine_json, "engine.json is not readable JSON"),
+        ),
+        Case(
+            'ctl.set(spans_every="x")',
+            "bad input",
+            "ConfigError before sending; nothing launched",
+            controller_call(
+                lambda c: c.set(spans_every="x"), r"set\(spans_every=...\) takes an integer >= 1"
+            ),
+        ),
+        Case(
+            "ctl.set(span_every=2) (misspelt)",
+            "bad input",
+            "ConfigError listing the valid options",
+            controller_call(lambda c: c.set(span_every=2), r"no option 'span_every'; valid: paused"),
+        ),
+        Case(
+            'ctl.resume(pipeline="2")',
+            "bad input",
+            "ConfigError at once; no launch, no hang",
+            controller_call(
+                lambda c: c.resume(pipeline="2"), r"resume\(pipeline=...\) takes a positive integer"
+            ),
+        ),
+        Case(
+            "ctl.resume(pipeline=0)",
+            "bad input",
+            "ConfigError (not silently the last shape)",
+            controller_call(lambda c: c.resume(pipeline=0), r"resume\(pipeline=...\).*got 0"),
+        ),
         Case("VARUNA_HEARTBEAT_S=abc", "bad input", "ConfigError: seconds >= 0, got 'abc'", heartbeat_env),
         Case("silent_after_s=-1", "bad input", "ConfigError: seconds > 0", silent_after),
-        Case("JobController.start(max_restarts=-1)", "bad input", "ConfigError in the caller; no agent",
-             max_restarts),
-    ]  # fmt: skip
+        Case(
+            "JobController.start(max_restarts=-1)",
+            "bad input",
+            "ConfigError in the caller; no agent",
+            max_restarts,
+        ),
+    ]

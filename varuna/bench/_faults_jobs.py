@@ -66,8 +66,9 @@ class Jobs:
             run = self.folder("shared") / "run"
             argv = [str(TRAIN), "100000", "0.05", "--store-report", str(run.parent / "store.json")]
             with_env = {"OMP_NUM_THREADS": "1"}
-            self._shared = self.track(JobController.start(argv, pipeline=2, data=1, run_dir=run, grace_s=5.0,
-                                                          env=with_env))  # fmt: skip
+            self._shared = self.track(
+                JobController.start(argv, pipeline=2, data=1, run_dir=run, grace_s=5.0, env=with_env)
+            )
             state = self._shared.wait(120, states=("running", "failed"))
             self.note(self._shared)
             if state != "running" or not wait_for(
@@ -187,8 +188,10 @@ def stopped_rank_is_silent(tmp: Path) -> Result:
         return False, f"not reported silent within 15 s (silent: {silent})"
     s = silent[0]
     ok = s.host == socket.gethostname() and bool(s.last_action) and back and ctl.state == "running"
-    return ok, (f"rank 1 silent after {after:.1f} s on {s.host}, last action {s.last_action!r}; "
-                f"{'back' if back else 'NOT back'} after SIGCONT")  # fmt: skip
+    return ok, (
+        f"rank 1 silent after {after:.1f} s on {s.host}, last action {s.last_action!r}; "
+        f"{'back' if back else 'NOT back'} after SIGCONT"
+    )
 
 
 def killed_worker_fails_the_job(tmp: Path) -> Result:
@@ -226,9 +229,14 @@ def starter_dies(tmp: Path) -> Result:
     if JOBS._starter is not None:
         return JOBS._starter[1]
     run = JOBS.folder("starter") / "run"
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(STARTER), str(TRAIN), str(run)],
-                            env=bench_env(60), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(STARTER), str(TRAIN), str(run)],
+        env=bench_env(60),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     JOBS.children.append(proc)
     if not wait_for(lambda: "step 3 " in _console(run), 120):
         proc.kill()
@@ -276,8 +284,12 @@ def rendezvous_timeout(tmp: Path) -> Result:
 
     marker = f"varuna-bench-stuck-{os.getpid()}"
     stuck = f"import mpi4py; mpi4py.rc.threads = False; from mpi4py import MPI; import time; time.sleep(60)  # {marker}"
-    env = bench_env(60) | {"VARUNA_RUN_DIR": str(tmp), "VARUNA_PIPELINE": "2", "VARUNA_RENDEZVOUS_TIMEOUT_S": "2",
-                           "MPIR_CVAR_NOLOCAL": "1"}  # fmt: skip
+    env = bench_env(60) | {
+        "VARUNA_RUN_DIR": str(tmp),
+        "VARUNA_PIPELINE": "2",
+        "VARUNA_RENDEZVOUS_TIMEOUT_S": "2",
+        "MPIR_CVAR_NOLOCAL": "1",
+    }
     cmd = [str(find_mpiexec()), "-n", "1", sys.executable, "-m", "varuna.launch.worker", str(TRAIN), "1", "0"]
     cmd += [":", "-n", "1", sys.executable, "-c", stuck]  # MPMD: rank 1 hangs before the rendezvous
     t0 = time.monotonic()
@@ -316,14 +328,23 @@ def crash_is_relaunched(tmp: Path) -> Result:
     from varuna.controller import JobController
     from varuna.telemetry.events import read_events
 
-    ctl = JOBS.track(JobController.start([str(TRAIN), "6", "0", "--crash-at", "3"], pipeline=1, data=1,
-                                         run_dir=tmp / "run", grace_s=2.0, max_restarts=1))  # fmt: skip
+    ctl = JOBS.track(
+        JobController.start(
+            [str(TRAIN), "6", "0", "--crash-at", "3"],
+            pipeline=1,
+            data=1,
+            run_dir=tmp / "run",
+            grace_s=2.0,
+            max_restarts=1,
+        )
+    )
     state = ctl.wait(240)
     JOBS.note(ctl)
     starts = len(ctl.store.events("job_start"))
     resumed = [e.get("resumed_from") for e in ctl.store.events("hello")]
-    trained = Counter(int(e["step"]) for e in read_events(ctl.run_dir)
-                      if e["type"] == "step_metrics" and e.get("rank") == 0)  # fmt: skip
+    trained = Counter(
+        int(e["step"]) for e in read_events(ctl.run_dir) if e["type"] == "step_metrics" and e.get("rank") == 0
+    )
     steps = sorted(trained)
     once = set(trained.values()) == {1}
     ok = state == "finished" and starts == 2 and steps == list(range(6)) and once and bool(resumed[-1])
@@ -336,26 +357,77 @@ def crash_is_relaunched(tmp: Path) -> Result:
 
 def cases() -> list[Case]:
     return [
-        Case("key on no command line (live job)", "attack", "absent from /proc/*/cmdline; in the ranks' env",
-             key_on_no_command_line, job=True),
-        Case("key in no other file (live job)", "attack", "only controller.json (600); not job.json",
-             key_in_no_other_file, job=True),
-        Case("TCPStore of a one-host job", "attack", "listens on 127.0.0.1 only", store_on_loopback, job=True),
-        Case("forgeries to a live controller", "attack",
-             "malformed, too_big, replay, bad_signature dropped; ranks still heard",
-             live_controller_drops_forgeries, job=True),
-        Case("SIGSTOP a rank", "fault", "reported silent with host and last action; back after SIGCONT",
-             stopped_rank_is_silent, job=True),
-        Case("SIGKILL a worker", "fault", "failed; first dead rank named (rank 1, killed)",
-             killed_worker_fails_the_job, job=True),
-        Case("SIGKILL the starter of a job", "fault", "the job goes on; attach sees running",
-             starter_dies, job=True),
-        Case("SIGKILL the agent", "fault", "failed within seconds, naming the agent's pid and log",
-             agent_dies, job=True),
-        Case("a rank never reaches the rendezvous", "fault", "LaunchError after VARUNA_RENDEZVOUS_TIMEOUT_S=2",
-             rendezvous_timeout, job=True),
-        Case("SIGUSR1 before Varuna()", "fault", "rank survives; checkpoint after step 1; exit 75",
-             stop_before_varuna, job=True),
-        Case("crash with max_restarts=1", "fault", "relaunched from latest; finishes all 6 steps once",
-             crash_is_relaunched, job=True),
-    ]  # fmt: skip
+        Case(
+            "key on no command line (live job)",
+            "attack",
+            "absent from /proc/*/cmdline; in the ranks' env",
+            key_on_no_command_line,
+            job=True,
+        ),
+        Case(
+            "key in no other file (live job)",
+            "attack",
+            "only controller.json (600); not job.json",
+            key_in_no_other_file,
+            job=True,
+        ),
+        Case(
+            "TCPStore of a one-host job", "attack", "listens on 127.0.0.1 only", store_on_loopback, job=True
+        ),
+        Case(
+            "forgeries to a live controller",
+            "attack",
+            "malformed, too_big, replay, bad_signature dropped; ranks still heard",
+            live_controller_drops_forgeries,
+            job=True,
+        ),
+        Case(
+            "SIGSTOP a rank",
+            "fault",
+            "reported silent with host and last action; back after SIGCONT",
+            stopped_rank_is_silent,
+            job=True,
+        ),
+        Case(
+            "SIGKILL a worker",
+            "fault",
+            "failed; first dead rank named (rank 1, killed)",
+            killed_worker_fails_the_job,
+            job=True,
+        ),
+        Case(
+            "SIGKILL the starter of a job",
+            "fault",
+            "the job goes on; attach sees running",
+            starter_dies,
+            job=True,
+        ),
+        Case(
+            "SIGKILL the agent",
+            "fault",
+            "failed within seconds, naming the agent's pid and log",
+            agent_dies,
+            job=True,
+        ),
+        Case(
+            "a rank never reaches the rendezvous",
+            "fault",
+            "LaunchError after VARUNA_RENDEZVOUS_TIMEOUT_S=2",
+            rendezvous_timeout,
+            job=True,
+        ),
+        Case(
+            "SIGUSR1 before Varuna()",
+            "fault",
+            "rank survives; checkpoint after step 1; exit 75",
+            stop_before_varuna,
+            job=True,
+        ),
+        Case(
+            "crash with max_restarts=1",
+            "fault",
+            "relaunched from latest; finishes all 6 steps once",
+            crash_is_relaunched,
+            job=True,
+        ),
+    ]

@@ -58,8 +58,13 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = gpt_tiny()
     data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 256, seed=7)
-    engine = Varuna(GPT(cfg), global_batch_size=4, micro_batch_size=2, partition="uniform",
-                    example_batch=collate([data[0], data[1]]))  # fmt: skip
+    engine = Varuna(
+        GPT(cfg),
+        global_batch_size=4,
+        micro_batch_size=2,
+        partition="uniform",
+        example_batch=collate([data[0], data[1]]),
+    )
     engine.set_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
     if args.store_report is not None and engine.rank == 0:
         store_report(args.store_report)

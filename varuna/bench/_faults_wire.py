@@ -138,17 +138,42 @@ def dead_status_recognised(tmp: Path) -> Result:
 
 def cases() -> list[Case]:
     return [
-        Case("replayed signed event", "attack", "dropped as replay; receiver goes on",
-             channel_attack(_replay, "replay")),
-        Case("oversize frame", "attack", "dropped as too_big before the HMAC; receiver goes on",
-             channel_attack(_too_big, "too_big")),
-        Case('malformed signed event ("id": [1])', "attack", "dropped as malformed; next good one arrives",
-             channel_attack(_malformed, "malformed")),
-        Case("bad signature", "attack", "dropped as bad_signature", channel_attack(_bad_signature, "bad_signature")),
+        Case(
+            "replayed signed event",
+            "attack",
+            "dropped as replay; receiver goes on",
+            channel_attack(_replay, "replay"),
+        ),
+        Case(
+            "oversize frame",
+            "attack",
+            "dropped as too_big before the HMAC; receiver goes on",
+            channel_attack(_too_big, "too_big"),
+        ),
+        Case(
+            'malformed signed event ("id": [1])',
+            "attack",
+            "dropped as malformed; next good one arrives",
+            channel_attack(_malformed, "malformed"),
+        ),
+        Case(
+            "bad signature",
+            "attack",
+            "dropped as bad_signature",
+            channel_attack(_bad_signature, "bad_signature"),
+        ),
         Case("stale timestamp", "attack", "dropped as stale", channel_attack(_stale, "stale")),
-        Case("controller.json holds the key privately", "attack", "mode 600; the only file with the key",
-             controller_json_private),
-        Case("stale status, live unrelated pid", "attack", "varuna resize signals nothing; says stale status",
-             stale_status_not_signalled),
+        Case(
+            "controller.json holds the key privately",
+            "attack",
+            "mode 600; the only file with the key",
+            controller_json_private,
+        ),
+        Case(
+            "stale status, live unrelated pid",
+            "attack",
+            "varuna resize signals nothing; says stale status",
+            stale_status_not_signalled,
+        ),
         Case("status of a dead rank", "fault", "recognised as dead, not live", dead_status_recognised),
-    ]  # fmt: skip
+    ]

@@ -111,9 +111,14 @@ def _run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], _Lines
     _log(f"{name}: starting ({' '.join(cmd[1:])})")
     deadline = time.monotonic() + bench.job_timeout_s
     proc = subprocess.Popen(
-        cmd, env=_env(), cwd=_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        cmd,
+        env=_env(),
+        cwd=_ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     lines = _Lines(proc.stdout, log)
     request: dict[str, float] = {}
@@ -135,8 +140,12 @@ def _run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], _Lines
         request["t"] = time.time()
         resize = subprocess.run(
             [sys.executable, "-m", "varuna", "resize", str(run_dir), "-p", str(P2), "-d", str(D2)],
-            env=_env(), cwd=_ROOT, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            env=_env(),
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         request["returned"] = time.time()
         if resize.returncode != 0:
             raise fail(f"could not be resized: `varuna resize` exited {resize.returncode}: {resize.stderr}")

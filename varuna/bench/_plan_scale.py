@@ -133,14 +133,26 @@ def scale_report(*, quick: bool = False) -> dict[str, Any]:
         result = plan(table, gpus=n, memory_bytes="80GiB", global_batch_size=1024, cluster=cluster)
         took = time.perf_counter() - start
         best, limits = result.best, explain(result)
-        rows.append({
-            "gpus": n, "pipeline": best.pipeline, "data": best.data, "micro_batch_size": best.micro_batch_size,
-            "num_microbatches": best.num_microbatches, "schedule": best.schedule, "recompute": best.recompute,
-            "predicted_step_s": best.predicted_step_s, "samples_per_s": best.samples_per_s,
-            "max_memory_bytes": best.max_memory_bytes, "shares": limits["shares"],
-            "limited_by": limits["limited_by"], "fewer_stages": (limits["fewer_stages"] or {}).get("why"),
-            "plan_s": took, "candidates": len(result.ranked), "rejected": len(result.rejected),
-        })  # fmt: skip
+        rows.append(
+            {
+                "gpus": n,
+                "pipeline": best.pipeline,
+                "data": best.data,
+                "micro_batch_size": best.micro_batch_size,
+                "num_microbatches": best.num_microbatches,
+                "schedule": best.schedule,
+                "recompute": best.recompute,
+                "predicted_step_s": best.predicted_step_s,
+                "samples_per_s": best.samples_per_s,
+                "max_memory_bytes": best.max_memory_bytes,
+                "shares": limits["shares"],
+                "limited_by": limits["limited_by"],
+                "fewer_stages": (limits["fewer_stages"] or {}).get("why"),
+                "plan_s": took,
+                "candidates": len(result.ranked),
+                "rejected": len(result.rejected),
+            }
+        )
     lines = [
         f"{'GPUs':>5} {'P x D x mbs (M)':>20} {'schedule':>14} {'step s':>8} {'samples/s':>9} "
         f"{'bubble':>6} {'imbal':>6} {'allred':>6} {'plan s':>7}  limited by"

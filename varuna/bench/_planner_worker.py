@@ -222,14 +222,15 @@ def _bracketed_steps(
 
         segments = [
             dataclasses.replace(
-                old, forward_s=old.forward_s | mean(x.forward_s, y.forward_s),
+                old,
+                forward_s=old.forward_s | mean(x.forward_s, y.forward_s),
                 backward_s=old.backward_s | mean(x.backward_s, y.backward_s),
                 recompute_s=(old.recompute_s or old.forward_s)
                 | mean(x.recompute_s or x.forward_s, y.recompute_s or y.forward_s),
                 update_s=(x.update_s + y.update_s) / scale,
             )
             for old, x, y in zip(table.segments, before, after)
-        ]  # fmt: skip
+        ]
         box[0] = dataclasses.replace(table, segments=segments).to_json()
     dist.broadcast_object_list(box, src=0)
     return CostTable.from_json(box[0]), steps
@@ -287,9 +288,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
         def measure_costs() -> CostTable:
             return run_profile(
-                _model(spec["model"]), batches[0], micro_batch_sizes=spec["micro_batch_sizes"],
-                repeats=spec["repeats"], run_dir=spec["run_dir"], progress=False, engine=Varuna,
-            )  # fmt: skip
+                _model(spec["model"]),
+                batches[0],
+                micro_batch_sizes=spec["micro_batch_sizes"],
+                repeats=spec["repeats"],
+                run_dir=spec["run_dir"],
+                progress=False,
+                engine=Varuna,
+            )
 
         table, seen = retries.run(f"profile of round {r + 1}", measure_costs)
         profiles.append(
@@ -308,12 +314,17 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             )
             predicted, from_round = (
                 predict(
-                    t, pipeline=c["pipeline"], data=c["data"], micro_batch_size=c["micro_batch_size"],
-                    schedule=c["schedule"], global_batch_size=spec["global_batch_size"],
-                    recompute=c["recompute"], boundaries=c["boundaries"],
+                    t,
+                    pipeline=c["pipeline"],
+                    data=c["data"],
+                    micro_batch_size=c["micro_batch_size"],
+                    schedule=c["schedule"],
+                    global_batch_size=spec["global_batch_size"],
+                    recompute=c["recompute"],
+                    boundaries=c["boundaries"],
                 ).predicted_step_s
                 for t in (fresh, table)
-            )  # fmt: skip
+            )
             kept.append(
                 seen
                 | {"step_s": steps, "predicted_s": predicted, "predicted_s_round_profile": from_round}

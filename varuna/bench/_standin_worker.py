@@ -27,13 +27,28 @@ def build(kind: str, spec: dict[str, Any]) -> torch.nn.Module:
     d, blocks, seq = spec["d_model"], spec["blocks"], spec["seq_len"]
     small = {"vocab_size": spec["vocab"], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=blocks, n_embd=d, n_head=max(d // 64, 1), n_positions=seq,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **small)  # fmt: skip
+        config = transformers.GPT2Config(
+            n_layer=blocks,
+            n_embd=d,
+            n_head=max(d // 64, 1),
+            n_positions=seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **small,
+        )
         return transformers.GPT2LMHeadModel(config)
     heads = max(d // 64, 2)
-    llama = transformers.LlamaConfig(num_hidden_layers=blocks, hidden_size=d, num_attention_heads=heads,
-                                      num_key_value_heads=heads // 2, intermediate_size=int(d * 8 / 3) // 8 * 8,
-                                      max_position_embeddings=seq, tie_word_embeddings=True, **small)  # fmt: skip
+    llama = transformers.LlamaConfig(
+        num_hidden_layers=blocks,
+        hidden_size=d,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        intermediate_size=int(d * 8 / 3) // 8 * 8,
+        max_position_embeddings=seq,
+        tie_word_embeddings=True,
+        **small,
+    )
     return transformers.LlamaForCausalLM(llama)
 
 
@@ -47,8 +62,16 @@ def measure(kind: str, spec: dict[str, Any], pipeline: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, spec["vocab"], (2 * mbs, seq), generator=g)
     batch = {"input_ids": ids, "labels": ids}
-    engine = Varuna(model, pipeline=pipeline, data=1, global_batch_size=2 * mbs, micro_batch_size=mbs,
-                    partition=boundaries, example_batch=batch, schedule="1f1b")  # fmt: skip
+    engine = Varuna(
+        model,
+        pipeline=pipeline,
+        data=1,
+        global_batch_size=2 * mbs,
+        micro_batch_size=mbs,
+        partition=boundaries,
+        example_batch=batch,
+        schedule="1f1b",
+    )
     for _ in range(2):
         engine.step(batch)
     runtime = engine._runtime

@@ -53,8 +53,14 @@ def run_cases(cases: list[Case]) -> list[dict[str, Any]]:
                 except Exception as exc:  # noqa: BLE001 - a case that broke is a finding, not a crash
                     ok, observed = False, f"the case itself raised {first_line(exc)}"
                 observed = observed.replace(f"{folder}/", "").replace(tmp, "$TMP")  # no temp paths
-                row = {"name": case.name, "kind": case.kind, "expected": case.expected,
-                       "observed": observed, "ok": bool(ok), "wall_s": round(time.monotonic() - t0, 2)}  # fmt: skip
+                row = {
+                    "name": case.name,
+                    "kind": case.kind,
+                    "expected": case.expected,
+                    "observed": observed,
+                    "ok": bool(ok),
+                    "wall_s": round(time.monotonic() - t0, 2),
+                }
                 log(f"{'ok  ' if ok else 'FAIL'} {case.name}: {observed}")
                 rows.append(row)
         finally:
@@ -96,7 +102,12 @@ def main(args: argparse.Namespace) -> int:
         )
     log(f"{len(chosen)} cases{' (quick: no multi-rank jobs)' if args.quick else ''}")
     rows = _stdout_to_stderr(run_cases, chosen)
-    report = {"bench": "faults", "quick": bool(args.quick), "cases": rows,
-              "passed": sum(r["ok"] for r in rows), "total": len(rows),
-              "wall_s": round(time.monotonic() - start, 1)}  # fmt: skip
+    report = {
+        "bench": "faults",
+        "quick": bool(args.quick),
+        "cases": rows,
+        "passed": sum(r["ok"] for r in rows),
+        "total": len(rows),
+        "wall_s": round(time.monotonic() - start, 1),
+    }
     return print_report(report, table(rows), args.json)

@@ -198,9 +198,14 @@ def _run_job(name: str, cmd: list[str], timeout_s: float, log: Path) -> None:
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, env=_env(), cwd=_ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            cmd,
+            env=_env(),
+            cwd=_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             code: int | str = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -246,8 +246,17 @@ def _children_cpu_s() -> float:
 def _job(bench: PlannerBench, tmp: Path, tag: str, world: int, spec: dict[str, Any]) -> float | None:
     """Run one worker job on `world` ranks; the cores other processes used meanwhile."""
     spec_path = tmp / f"{tag}.spec.json"
-    spec_path.write_text(json.dumps({"model": bench.model, "global_batch_size": bench.global_batch_size,
-                                     "hang_s": bench.job_timeout_s, **spec}, indent=1))  # fmt: skip
+    spec_path.write_text(
+        json.dumps(
+            {
+                "model": bench.model,
+                "global_batch_size": bench.global_batch_size,
+                "hang_s": bench.job_timeout_s,
+                **spec,
+            },
+            indent=1,
+        )
+    )
     cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(world), "--data", "1"]
     cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{bench.job_timeout_s:g}"]
     cmd += ["-m", _WORKER, str(spec_path)]
@@ -267,8 +276,12 @@ def _profile(bench: PlannerBench, tmp: Path, tag: str) -> tuple[Any, list[float 
         spare = bench.retry_budget_s - (time.perf_counter() - t0)
         if bench.quiet_wait_s > 0 and spare > 0:
             wait_quiet(bench.max_foreign, min(bench.quiet_wait_s, spare))
-        spec = {"mode": "profile", "micro_batch_sizes": list(bench.micro_batch_sizes),
-                "repeats": bench.profile_repeats, "run_dir": str(tmp / tag)}  # fmt: skip
+        spec = {
+            "mode": "profile",
+            "micro_batch_sizes": list(bench.micro_batch_sizes),
+            "repeats": bench.profile_repeats,
+            "run_dir": str(tmp / tag),
+        }
         load = _job(bench, tmp, f"{tag}-{attempt}", 4, spec)
         loads.append(load)
         spent = time.perf_counter() - t0
@@ -289,12 +302,28 @@ def _choose(bench: PlannerBench, table: Any) -> list[dict[str, Any]]:
 
     out = []
     for P, D, m, s in bench.configs():
-        result = plan(table, gpus=P * D, memory_bytes="1TiB", global_batch_size=bench.global_batch_size,
-                      schedules=(cast(ScheduleName, s),), recompute_options=(schedule_spec(s).recompute,),
-                      micro_batch_sizes=(m,), pipelines=(P,))  # fmt: skip
+        result = plan(
+            table,
+            gpus=P * D,
+            memory_bytes="1TiB",
+            global_batch_size=bench.global_batch_size,
+            schedules=(cast(ScheduleName, s),),
+            recompute_options=(schedule_spec(s).recompute,),
+            micro_batch_sizes=(m,),
+            pipelines=(P,),
+        )
         c = result.best
-        out.append({"pipeline": P, "data": D, "micro_batch_size": m, "schedule": s, "recompute": c.recompute,
-                    "boundaries": list(c.boundaries), "first_predicted_s": c.predicted_step_s})  # fmt: skip
+        out.append(
+            {
+                "pipeline": P,
+                "data": D,
+                "micro_batch_size": m,
+                "schedule": s,
+                "recompute": c.recompute,
+                "boundaries": list(c.boundaries),
+                "first_predicted_s": c.predicted_step_s,
+            }
+        )
     return out
 
 
@@ -303,11 +332,21 @@ def _measure(bench: PlannerBench, tmp: Path, configs: list[dict[str, Any]], worl
     `predicted_s`, and its per-round profiles."""
     mine = [c for c in configs if c["pipeline"] * c["data"] == world]
     out = tmp / f"measure-{world}.json"
-    spec = {"mode": "measure", "configs": mine, "warmup": bench.warmup, "steps": bench.steps,
-            "rounds": bench.rounds, "attempts": bench.attempts, "max_foreign": bench.max_foreign,
-            "quiet_wait_s": bench.quiet_wait_s, "retry_budget_s": bench.retry_budget_s,
-            "micro_batch_sizes": list(bench.micro_batch_sizes), "repeats": bench.profile_repeats,
-            "run_dir": str(tmp / f"job-measure-{world}"), "out": str(out)}  # fmt: skip
+    spec = {
+        "mode": "measure",
+        "configs": mine,
+        "warmup": bench.warmup,
+        "steps": bench.steps,
+        "rounds": bench.rounds,
+        "attempts": bench.attempts,
+        "max_foreign": bench.max_foreign,
+        "quiet_wait_s": bench.quiet_wait_s,
+        "retry_budget_s": bench.retry_budget_s,
+        "micro_batch_sizes": list(bench.micro_batch_sizes),
+        "repeats": bench.profile_repeats,
+        "run_dir": str(tmp / f"job-measure-{world}"),
+        "out": str(out),
+    }
     _job(bench, tmp, f"measure-{world}", world, spec)
     if not out.exists():
         raise LaunchError(
@@ -357,7 +396,7 @@ def run(bench: PlannerBench) -> dict[str, Any]:
                 "rounds": r["rounds"],
             }
             for r in results
-        ],  # fmt: skip
+        ],
         **summarize(results),
         "targets": TARGETS,
         "disturbed": sum(r["disturbed"] for r in results),

@@ -71,11 +71,26 @@ def run(bench: StandinBench) -> dict[str, Any]:
             out = Path(tmp) / f"p{p}"
             out.mkdir()
             spec = json.dumps(asdict(bench) | {"pipeline": p})
-            cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(p), "--data", "1",
-                   "--run-dir", str(Path(tmp) / f"run{p}"), "-m", "varuna.bench._standin_worker", spec, str(out)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "varuna",
+                "run",
+                "--pipeline",
+                str(p),
+                "--data",
+                "1",
+                "--run-dir",
+                str(Path(tmp) / f"run{p}"),
+                "-m",
+                "varuna.bench._standin_worker",
+                spec,
+                str(out),
+            ]
             env = bench_env(300) | {"TRANSFORMERS_VERBOSITY": "error"}
-            proc = subprocess.run(cmd, env=env, cwd=tmp, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=900)  # fmt: skip
+            proc = subprocess.run(
+                cmd, env=env, cwd=tmp, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900
+            )
             if proc.returncode != 0:
                 raise LaunchError(
                     f"the P={p} stand-in job failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
@@ -90,8 +105,10 @@ def run(bench: StandinBench) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     lines = ["model  P  stage  forward ms  stand-in ms  overhead"]
     for r in report["stages"]:
-        lines.append(f"{r['model']:<6} {r['pipeline']}  {r['stage']:>5}  {r['forward_ms']:>10.1f}  "
-                     f"{r['standin_ms']:>11.2f}  {100 * r['overhead']:>7.2f}%")  # fmt: skip
+        lines.append(
+            f"{r['model']:<6} {r['pipeline']}  {r['stage']:>5}  {r['forward_ms']:>10.1f}  "
+            f"{r['standin_ms']:>11.2f}  {100 * r['overhead']:>7.2f}%"
+        )
     lines.append(
         "max overhead: " + ", ".join(f"{m} {100 * v:.2f}%" for m, v in report["max_overhead"].items())
     )

@@ -264,9 +264,15 @@ def _job(bench: TelemetryBench, tmp: Path) -> tuple[dict[str, Any], dict[str, An
     log(f"{name}: starting under a JobController")
     t0 = time.perf_counter()
     ctl = JobController.start(
-        ["-m", _WORKER, str(spec_path)], pipeline=bench.pipeline, data=1, run_dir=tmp / "run",
-        elastic=False, env=env, timeout_s=bench.job_timeout_s, grace_s=5.0,
-    )  # fmt: skip
+        ["-m", _WORKER, str(spec_path)],
+        pipeline=bench.pipeline,
+        data=1,
+        run_dir=tmp / "run",
+        elastic=False,
+        env=env,
+        timeout_s=bench.job_timeout_s,
+        grace_s=5.0,
+    )
     try:
         live = 0
         deadline = time.monotonic() + bench.job_timeout_s + 30
@@ -312,9 +318,14 @@ def widget_refresh(bench: TelemetryBench) -> dict[str, Any]:
     log(f"widget refresh: {bench.widget_stages} stages x {bench.widget_microbatches} micro-batches")
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _WIDGET_CODE, *args], env=bench_env(60), cwd=_ROOT,
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=bench.widget_seconds * 10 + 60,
-        )  # fmt: skip
+            [sys.executable, "-c", _WIDGET_CODE, *args],
+            env=bench_env(60),
+            cwd=_ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=bench.widget_seconds * 10 + 60,
+        )
     except subprocess.TimeoutExpired as exc:
         return {
             "widget_refresh_hz": None,

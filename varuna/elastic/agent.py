@@ -177,10 +177,17 @@ class Agent:
             self.base_hostfile = own
             self.hostfile = hostfile_without(own, self.lost, self.run_dir / AGENT_DIR) if self.lost else own
         return Job(
-            self.spec["argv"], pipeline=shape.pipeline, data=shape.data, run_dir=self.run_dir,
-            hostfile=self.hostfile, extra_env=env, timeout_s=self.spec.get("timeout_s"),
-            grace_s=float(self.spec.get("grace_s", 10.0)), stdout=_DISCARD, stderr=sys.stderr,
-        )  # fmt: skip
+            self.spec["argv"],
+            pipeline=shape.pipeline,
+            data=shape.data,
+            run_dir=self.run_dir,
+            hostfile=self.hostfile,
+            extra_env=env,
+            timeout_s=self.spec.get("timeout_s"),
+            grace_s=float(self.spec.get("grace_s", 10.0)),
+            stdout=_DISCARD,
+            stderr=sys.stderr,
+        )
 
     def run_one(self, job: Job) -> int:
         launch = Launch(job, job.world)
@@ -227,10 +234,12 @@ class Agent:
                 self.note("restart", job.job_id, restart=restarts, of=max_restarts, exit_code=code)
             else:
                 self.state = (
-                    "finished" if code == 0
-                    else "stopped" if code == MORPH_EXIT or (intent in ("stop", "kill", "terminate") and code in USER_STOP)
+                    "finished"
+                    if code == 0
+                    else "stopped"
+                    if code == MORPH_EXIT or (intent in ("stop", "kill", "terminate") and code in USER_STOP)
                     else "failed"
-                )  # fmt: skip
+                )
                 if lost:
                     self.error = f"lost host {', '.join(sorted(lost))} (not elastic: no relaunch)"
             self.note("job_end", job.job_id, exit_code=code, state=self.state, summary=job.summary)
@@ -263,7 +272,7 @@ class Agent:
             r for r, st in statuses.items() if str(st.get("host", "")).split(".")[0] == host.split(".")[0]
         )
         said = "its ranks killed (SIGKILL)" if how == "killed" else "its launcher cannot reach mpiexec"
-        self.note("host_dead", job.job_id, host=host, how=how, ranks=ranks, reason=f"mpiexec reports {said}")  # fmt: skip
+        self.note("host_dead", job.job_id, host=host, how=how, ranks=ranks, reason=f"mpiexec reports {said}")
         return {host}
 
     def drop_hosts(self, lost: set[str], job: Job, shape: Shape) -> Shape:
@@ -276,8 +285,15 @@ class Agent:
         new = shape
         if shape.pipeline * shape.data > left:
             new = choose_shape(left, read_engine_info(self.run_dir / "engine.json"))
-        self.note("hosts_dropped", job.job_id, lost=sorted(lost), hostfile=str(self.hostfile), slots=left,
-                  pipeline=new.pipeline, data=new.data)  # fmt: skip
+        self.note(
+            "hosts_dropped",
+            job.job_id,
+            lost=sorted(lost),
+            hostfile=str(self.hostfile),
+            slots=left,
+            pipeline=new.pipeline,
+            data=new.data,
+        )
         return new
 
 
@@ -320,9 +336,14 @@ def spawn(run_dir: Path, spec: dict[str, Any], key: str) -> subprocess.Popen[byt
     }
     with open(run_dir / "logs" / "agent.log", "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "varuna.elastic.agent", str(run_dir)], env=env, stdin=subprocess.DEVNULL,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir),
-        )  # fmt: skip
+            [sys.executable, "-m", "varuna.elastic.agent", str(run_dir)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=str(run_dir),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,9 +35,13 @@ class ChunkGuard:
     here), so that inference runs it with meta copies of them (`torch.func.functional_call`)."""
 
     def __init__(
-        self, module: nn.Module, name: str, device: torch.device, traced: dict[Any, Any] | None,
+        self,
+        module: nn.Module,
+        name: str,
+        device: torch.device,
+        traced: dict[Any, Any] | None,
         before_start: Callable[[], bool],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.run: Callable[..., Any] = module.forward
         self.module = module
         self.skip = SkippedForward(module, name, device, traced)

@@ -159,11 +159,18 @@ class Varuna:
         self.chunk_stages = spec.stages_of(self.stage, P)  # the virtual stages this rank holds
         rank_of = lambda s: spec.rank_of(s, P)  # noqa: E731
         self.partition = _stage.partition(
-            model, self.trace, micro, cfg, rank=self.rank, world_size=self.world_size, autocast=self.autocast,
-            num_stages=P * spec.chunks_per_rank, owners=[rank_of(v) for v in range(P * spec.chunks_per_rank)],
+            model,
+            self.trace,
+            micro,
+            cfg,
+            rank=self.rank,
+            world_size=self.world_size,
+            autocast=self.autocast,
+            num_stages=P * spec.chunks_per_rank,
+            owners=[rank_of(v) for v in range(P * spec.chunks_per_rank)],
             timed=spec.timed_order,
             measure=not meta,
-        )  # fmt: skip
+        )
         lowered = build_schedule(
             cfg.engine.schedule,
             P,
@@ -221,12 +228,24 @@ class Varuna:
 
         self.actions: list[Action] = lowered[self.stage]
         chunks, courier = _stage.pipeline_links(
-            cfg, lowered, self.chunk_stages, rank_of, rank=self.rank, stage=self.stage, replica=self.replica,
+            cfg,
+            lowered,
+            self.chunk_stages,
+            rank_of,
+            rank=self.rank,
+            stage=self.stage,
+            replica=self.replica,
             device=self.device,
-        )  # fmt: skip
+        )
         self._courier, self._rank_of = courier, rank_of
-        self._refit = OrderRefit.create(cfg, rank_of, stage=self.stage, chunk_stages=self.chunk_stages,
-                                        courier=courier, device=self.device)  # fmt: skip
+        self._refit = OrderRefit.create(
+            cfg,
+            rank_of,
+            stage=self.stage,
+            chunk_stages=self.chunk_stages,
+            courier=courier,
+            device=self.device,
+        )
         names = cut_names(model)
         position = {name: i for i, name in enumerate(self.trace.cut_names)}
         index_of = {mid: position.get(name, -1) for mid, name in names.items()}

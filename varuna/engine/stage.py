@@ -103,7 +103,7 @@ def partition(
                     e.num_microbatches,
                     recompute=e.recompute,
                     split_backward=e.split_backward,
-                )  # fmt: skip
+                )
             )
     return make_partition(
         trace,
@@ -324,9 +324,16 @@ def broadcast_initial_values(
 
 
 def pipeline_links(
-    config: VarunaConfig, schedule: Mapping[int, Sequence[Any]], chunk_stages: list[int],
-    rank_of: Callable[[int], int], *, rank: int, stage: int, replica: int, device: torch.device,
-) -> tuple[list[tuple[Any, Any]], Any]:  # fmt: skip
+    config: VarunaConfig,
+    schedule: Mapping[int, Sequence[Any]],
+    chunk_stages: list[int],
+    rank_of: Callable[[int], int],
+    *,
+    rank: int,
+    stage: int,
+    replica: int,
+    device: torch.device,
+) -> tuple[list[tuple[Any, Any]], Any]:
     """This rank's (up, down) links per chunk (`chunk_links`), and the `Courier` they share where the
     links are serial (NCCL: just-in-time batches on one group per pipeline, `varuna.comm.serial`,
     planned from `schedule`), else None."""
@@ -348,9 +355,16 @@ def pipeline_links(
 
 
 def chunk_links(
-    stages: list[int], num_stages: int, rank_of: Callable[[int], int], rank: int, position: int,
-    device: torch.device, groups: dict[int, tuple[Any, Any]] | None = None, *, courier: Any = None,
-) -> list[tuple[Any, Any]]:  # fmt: skip
+    stages: list[int],
+    num_stages: int,
+    rank_of: Callable[[int], int],
+    rank: int,
+    position: int,
+    device: torch.device,
+    groups: dict[int, tuple[Any, Any]] | None = None,
+    *,
+    courier: Any = None,
+) -> list[tuple[Any, Any]]:
     """For each virtual stage this rank holds, its (up, down) links: a `P2P` to the ranks holding the
     neighbouring stages (one per chunk, on tags and `groups` of its own: `varuna.comm.links`), or a
     `LocalLink` where the neighbour is a chunk of this rank. With one chunk per rank: one P2P. With a

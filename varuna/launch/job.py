@@ -44,9 +44,16 @@ from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun
 from varuna.telemetry.straggler_watch import StragglerWatch, watch_config
 
 __all__ = [
-    "Job", "run_job", "mpiexec_command", "find_mpiexec", "launcher_args", "mpi_flavor", "read_reports",
-    "summarise", "SECRET_ENV",
-]  # fmt: skip
+    "Job",
+    "run_job",
+    "mpiexec_command",
+    "find_mpiexec",
+    "launcher_args",
+    "mpi_flavor",
+    "read_reports",
+    "summarise",
+    "SECRET_ENV",
+]
 
 Flavor = Literal["mpich", "openmpi"]
 State = Literal["before", "running", "after"]

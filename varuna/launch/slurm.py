@@ -37,9 +37,16 @@ from varuna._slurm import HostlistError, expand_hostlist, expand_tasks_per_node
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = [
-    "Allocation", "allocation", "launch_allocation", "check_fits", "srun_command", "find_srun",
-    "recorded_allocation", "check_resize", "signal_step",
-]  # fmt: skip
+    "Allocation",
+    "allocation",
+    "launch_allocation",
+    "check_fits",
+    "srun_command",
+    "find_srun",
+    "recorded_allocation",
+    "check_resize",
+    "signal_step",
+]
 
 _LAUNCHERS = ("srun", "mpiexec")
 
@@ -176,8 +183,11 @@ def signal_step(run_dir: Path, job_id: str, signum: int, env: Mapping[str, str] 
     try:
         done = subprocess.run(
             [scancel, f"--signal={signal.Signals(signum).name.removeprefix('SIG')}", step],
-            env=None if env is None else dict(env), capture_output=True, timeout=10, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            env=None if env is None else dict(env),
+            capture_output=True,
+            timeout=10,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0

@@ -89,9 +89,14 @@ def fit_boundaries(
 
     def step(cut: Sequence[int]) -> float:
         return simulated_step(
-            segment_costs, cut, schedule, num_ranks, num_microbatches, recompute=recompute,
+            segment_costs,
+            cut,
+            schedule,
+            num_ranks,
+            num_microbatches,
+            recompute=recompute,
             split_backward=split_backward,
-        )  # fmt: skip
+        )
 
     best, best_s = tuple(boundaries), step(boundaries)
     for _ in range(max_moves):

@@ -99,8 +99,16 @@ def run_in_order(
     work = []
     for s, c in enumerate(costs):
         split = {a.microbatch for a in queues[s] if a.kind == WEIGHT_KIND}
-        work.append((c.seconds("F"), c.seconds("B"), c.seconds("B", split=True), c.seconds("R"),
-                     c.seconds(WEIGHT_KIND), split))  # fmt: skip
+        work.append(
+            (
+                c.seconds("F"),
+                c.seconds("B"),
+                c.seconds("B", split=True),
+                c.seconds("R"),
+                c.seconds(WEIGHT_KIND),
+                split,
+            )
+        )
     send_f, send_b = messages.get("SEND_F", 0.0), messages.get("SEND_B", 0.0)
     recv = {"RECV_F": messages.get("RECV_F", 0.0), "RECV_B": messages.get("RECV_B", 0.0)}
     delay_f, delay_b = messages.get("DELAY_F", 0.0), messages.get("DELAY_B", 0.0)

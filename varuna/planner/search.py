@@ -159,10 +159,14 @@ def plan(
                 if misfit is not None:
                     rejected.append(
                         Rejected(
-                            pipeline=pipeline, data=data, micro_batch_size=mbs, schedule=schedule,
-                            kind="stages", reason=misfit,
+                            pipeline=pipeline,
+                            data=data,
+                            micro_batch_size=mbs,
+                            schedule=schedule,
+                            kind="stages",
+                            reason=misfit,
                         )
-                    )  # fmt: skip
+                    )
             for schedule, recompute in _pairs(schedules, recompute_options, pipeline):
                 if misfits[schedule] is not None:
                     continue
@@ -261,9 +265,16 @@ def predict(
                 f"CutPoint indices in 0..{cuts - 1}"
             )
     return _evaluate(
-        table, pipeline, data, micro_batch_size, schedule, recompute and pipeline > 1, global_batch_size,
-        boundaries, split_backward,
-    )  # fmt: skip
+        table,
+        pipeline,
+        data,
+        micro_batch_size,
+        schedule,
+        recompute and pipeline > 1,
+        global_batch_size,
+        boundaries,
+        split_backward,
+    )
 
 
 def _pairs(
@@ -395,9 +406,15 @@ def _try(
     at_least, shape.fast = False, fast
     if schedule_spec(schedule).chunks_per_rank > 1:  # P x V virtual stages: simulated event by event
         cand = chunked_candidate(
-            shape.table, shape.pipeline, shape.data, shape.mbs, schedule, recompute, global_batch_size,
+            shape.table,
+            shape.pipeline,
+            shape.data,
+            shape.mbs,
+            schedule,
+            recompute,
+            global_batch_size,
             cluster=shape.cluster,
-        )  # fmt: skip
+        )
         if cand.max_memory_bytes <= limit:
             return cand
         need_per_stage = cand.memory_per_stage_bytes

@@ -75,9 +75,14 @@ class Sharing:
         counts = [self.replicas * k for k in range(1, num_stages + 1 + extra)]
         return any(self.factor(n) != 1.0 for n in counts) or (
             num_stages > 1
-            and len({(self.delay("F", n), self.delay("B", n), self.send("SEND_F", n), self.send("SEND_B", n))
-                     for n in counts}) > 1
-        )  # fmt: skip
+            and len(
+                {
+                    (self.delay("F", n), self.delay("B", n), self.send("SEND_F", n), self.send("SEND_B", n))
+                    for n in counts
+                }
+            )
+            > 1
+        )
 
 
 class _Computing:
@@ -85,9 +90,12 @@ class _Computing:
 
     def __init__(self, spans: list[list[Span]]) -> None:
         self.stages = [
-            ([sp.start for sp in stage if sp.kind in WORK_KINDS], [sp.end for sp in stage if sp.kind in WORK_KINDS])
+            (
+                [sp.start for sp in stage if sp.kind in WORK_KINDS],
+                [sp.end for sp in stage if sp.kind in WORK_KINDS],
+            )
             for stage in spans
-        ]  # fmt: skip
+        ]
 
     def count(self, t: float, *, but: int | None = None) -> int:
         """How many stages (other than `but`) compute at t: start <= t < end."""

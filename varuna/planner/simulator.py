@@ -111,9 +111,13 @@ def simulate(
     costs = [c.order_costs() for c in stage_costs]
     fit = spec.timed_order and len(costs) == num_stages * spec.chunks_per_rank and min(map(min, costs)) > 0
     schedule = build_schedule(
-        schedule_name, num_stages, num_microbatches, recompute=recompute, split_backward=split_backward,
+        schedule_name,
+        num_stages,
+        num_microbatches,
+        recompute=recompute,
+        split_backward=split_backward,
         costs=costs if fit else None,
-    )  # fmt: skip
+    )
     return simulate_lowered(
         schedule,
         stage_costs,

@@ -121,8 +121,9 @@ def _core_sharing(layout: Sequence[tuple[str, int]]) -> dict[int, float]:
     }
 
 
-def _spin_table(table: CostTable, stages: int, forward_s: float, backward_s: float, nbytes: int,
-                sharing: dict[int, float]) -> CostTable:  # fmt: skip
+def _spin_table(
+    table: CostTable, stages: int, forward_s: float, backward_s: float, nbytes: int, sharing: dict[int, float]
+) -> CostTable:
     """The calibration pipeline as a profile: one segment per stage, the job's network."""
     segment = SegmentCost(
         forward_s={1: forward_s},
@@ -144,8 +145,16 @@ def _spin_table(table: CostTable, stages: int, forward_s: float, backward_s: flo
     )
 
 
-def _measure(engine_class: Callable[..., Any], stages: int, microbatches: int, forward_s: float,
-             backward_s: float, width: int, steps: int, warmup: int) -> float:  # fmt: skip
+def _measure(
+    engine_class: Callable[..., Any],
+    stages: int,
+    microbatches: int,
+    forward_s: float,
+    backward_s: float,
+    width: int,
+    steps: int,
+    warmup: int,
+) -> float:
     """Median over the timed steps of the slowest rank's step time of the spin pipeline, built
     with `engine_class` (`varuna.Varuna`). The process's RNG is left as it was (under
     `pipeline="auto"` the user's training follows)."""

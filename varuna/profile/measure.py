@@ -177,8 +177,14 @@ def _profile(
     samples: dict[str, dict[int, list[list[float]]]] = {kind: {m: [] for m in sizes} for kind in "fbr"}
     cut_bytes: dict[int, list[int]] = {}
     memory: dict[int, list[int]] = {}
-    bar = tqdm(total=len(sizes) * (repeats + 1) + 1, desc="varuna profile", unit="pass", file=sys.stderr,
-               disable=not progress, mininterval=0.5)  # fmt: skip
+    bar = tqdm(
+        total=len(sizes) * (repeats + 1) + 1,
+        desc="varuna profile",
+        unit="pass",
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=0.5,
+    )
     with _preserved(model), bar:
         for p in model.parameters():  # the engine's backward adds into zeroed bucket views
             p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -234,9 +240,12 @@ def _profile(
 
 
 def _update_times(
-    model: nn.Module, segment_of: Mapping[str, set[int]], segments: int, repeats: int,
+    model: nn.Module,
+    segment_of: Mapping[str, set[int]],
+    segments: int,
+    repeats: int,
     sync: Callable[[], None],
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     """Per segment, the median seconds of what the engine does once per step for its parameters:
     zero the gradients, take their norm, and step an AdamW optimizer (values restored after)."""
     groups: list[list[nn.Parameter]] = [[] for _ in range(segments)]
@@ -372,8 +381,12 @@ def run_profile(
         if rank == 0 and where is not None:  # the minutes of measurement above survive a failure below
             table.save(where / PROFILE_FILE)
         if progress and rank == 0:
-            print(f"varuna profile: the runtime's own cost per action ({world}-stage pipeline of known "
-                  "compute)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"varuna profile: the runtime's own cost per action ({world}-stage pipeline of known "
+                "compute)",
+                file=sys.stderr,
+                flush=True,
+            )
         table = dataclasses.replace(table, action_overhead_s=fit_action_overhead(table, engine))
     if rank == 0 and where is not None:
         path = table.save(where / PROFILE_FILE)

@@ -288,8 +288,9 @@ def _delivery(
     }
 
 
-def _allreduce(group_size: int, active: int, rank: int, sizes: Sequence[int], repeats: int,
-               device: torch.device) -> list[tuple[int, float]]:  # fmt: skip
+def _allreduce(
+    group_size: int, active: int, rank: int, sizes: Sequence[int], repeats: int, device: torch.device
+) -> list[tuple[int, float]]:
     """(bytes, seconds) of all-reduces in the data-parallel groups {s, s+P, s+2P, ...}, P = active/g,
     of a job of `active` ranks (ranks >= `active` only wait).
 

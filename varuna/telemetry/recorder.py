@@ -176,8 +176,11 @@ class Telemetry:
 
     def _beat(self) -> None:
         try:
-            self._emit("heartbeat", {"host": socket.gethostname(), "action": self.action,
-                                     "action_since": self._action_since}, log=False)  # fmt: skip
+            self._emit(
+                "heartbeat",
+                {"host": socket.gethostname(), "action": self.action, "action_since": self._action_since},
+                log=False,
+            )
         except Exception:  # noqa: BLE001, S110 - a socket closed at exit must not print from a daemon thread
             pass
 

@@ -71,8 +71,12 @@ class StragglerConfig:
                 f"straggler ratio must be a number > 1 (e.g. 1.3: 30% slower than its peers), got {self.ratio!r}; "
                 f"set {ENV['ratio']} or StragglerConfig(ratio=...)"
             )
-        for name, low, high in (("steps", 1, 5), ("skip_steps", 0, 1000), ("history", 1, 10_000),
-                                ("min_history", 1, 10_000)):  # fmt: skip
+        for name, low, high in (
+            ("steps", 1, 5),
+            ("skip_steps", 0, 1000),
+            ("history", 1, 10_000),
+            ("min_history", 1, 10_000),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 where = f"set {ENV[name]} or " if name in ENV else ""

@@ -238,9 +238,13 @@ def bubble_figure(bubbles: StepBubbles) -> dict[str, Any]:
             idle = step_s - part.get("busy_s", 0.0)
             y.append(round(100 * part.get(key, 0.0) / step_s, 3) if step_s else None)
             custom.append(
-                [f"{stage} {which}", round(part.get(key, 0.0) * 1e3, 3), round(step_s * 1e3, 3),
-                 round(100 * idle / step_s, 2) if step_s else 0.0]
-            )  # fmt: skip
+                [
+                    f"{stage} {which}",
+                    round(part.get(key, 0.0) * 1e3, 3),
+                    round(step_s * 1e3, 3),
+                    round(100 * idle / step_s, 2) if step_s else 0.0,
+                ]
+            )
         traces.append(
             {
                 "type": "bar",
@@ -276,7 +280,7 @@ def bubble_figure(bubbles: StepBubbles) -> dict[str, Any]:
                 "y1": theory,
                 "line": {"dash": "dash", "width": 1.5, "color": "#333"},
             }
-        ],  # fmt: skip
+        ],
         "annotations": [
             {
                 "xref": "paper",
@@ -289,7 +293,7 @@ def bubble_figure(bubbles: StepBubbles) -> dict[str, Any]:
                 "text": f"theory {theory:.1f}% ({where})",
                 "font": {"size": 11},
             }
-        ],  # fmt: skip
+        ],
     }
     return {"data": traces, "layout": layout}
 

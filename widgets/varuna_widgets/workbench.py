@@ -189,8 +189,9 @@ class Workbench(_Drawing):
         self.ranks_table = w.HTML("")
         self.ranks_table.add_class("varuna-ranks")
         self.problems = w.HTML("")
-        self.stragglers = StragglerPanel(self._run_action, lambda: self._controller("exclude host"),
-                                         replay=self.replay_mode)  # fmt: skip
+        self.stragglers = StragglerPanel(
+            self._run_action, lambda: self._controller("exclude host"), replay=self.replay_mode
+        )
         self.slider = w.IntSlider(description="step", continuous_update=False, layout=w.Layout(width="60%"))
         self.slider.observe(lambda _c: None if self._quiet else self.refresh(force=True), names="value")
         controls = [*self.buttons.values(), self.p_input, self.d_input, self.gpus_input]
