@@ -166,6 +166,42 @@ class NetnsHosts:
         lines += [f"{'127.0.1.1' if h == host else self.address(h)} {h}" for h in self.names]
         return "\n".join(lines) + "\n"
 
+    def shape(self, host: str, mbit: float | None) -> None:
+        """Limit `host`'s link to `mbit` megabits per second in both directions (None: unlimited).
+
+        A token bucket (`tc ... tbf`) on each end of the host's veth: on its eth0 for what it sends,
+        on its switch port for what it receives. This kernel has no `netem`, so no delay is added:
+        the shaping is bandwidth only. The qdiscs go with the namespaces in `down`."""
+        port = f"{self.prefix}p{self.names.index(host) + 1}"
+        for ns, dev in ((self.netns(host), "eth0"), (f"{self.prefix}-sw", port)):
+            if mbit is None:
+                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+                continue
+            burst = max(int(mbit * 1e6 / 8 / 100), 16 * 1024)  # 10 ms of the rate, at least 16 KiB
+            done = subprocess.run(
+                [
+                    "tc",
+                    "-n",
+                    ns,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"`tc` could not shape {host}'s link: {done.stderr.strip()}")
+
     def up(self) -> NetnsHosts:
         """Make the switch, the hosts, their links, /etc/hosts files and the launcher shim."""
         remove_stale()

@@ -113,3 +113,76 @@ def test_multihost_harness_leaves_nothing_behind(tmp_path) -> None:
     mine.down()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"vmh{os.getpid()}-t-" not in listed
+
+
+SEND = """
+import socket, sys, time
+host, nbytes = sys.argv[1], int(sys.argv[2])
+sock = socket.create_connection((host, 5099), timeout=30)
+payload = bytes(1 << 16)
+start = time.perf_counter()
+left = nbytes
+while left > 0:
+    left -= sock.send(payload[: min(left, len(payload))])
+sock.shutdown(socket.SHUT_WR)
+sock.recv(1)  # the receiver's byte once it has everything
+print(time.perf_counter() - start)
+"""
+
+RECEIVE = """
+import socket, sys
+nbytes = int(sys.argv[1])
+server = socket.create_server(("0.0.0.0", 5099))
+print("listening", flush=True)
+conn, _ = server.accept()
+got = 0
+while got < nbytes:
+    got += len(conn.recv(1 << 16))
+conn.sendall(b"k")
+"""
+
+
+def _transfer_s(hosts: NetnsHosts, src: str, dst: str, nbytes: int) -> float:
+    """Seconds to move `nbytes` over TCP from `src` to `dst` (the receiver confirms the last byte)."""
+    env = {**os.environ, "PYTHONPATH": ""}
+    receiver = subprocess.Popen(
+        hosts.command(dst, [sys.executable, "-c", RECEIVE, str(nbytes)]),
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert receiver.stdout is not None and receiver.stdout.readline().strip() == "listening"
+        sent = subprocess.run(
+            hosts.command(src, [sys.executable, "-c", SEND, dst, str(nbytes)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        assert sent.returncode == 0, sent.stderr
+        return float(sent.stdout.strip())
+    finally:
+        receiver.wait(timeout=30)
+
+
+def test_multihost_a_shaped_link_moves_data_at_its_rate_both_ways(hosts: NetnsHosts) -> None:
+    """`NetnsHosts.shape(host, mbit)`: 4 MB at 16 Mbit/s takes about 2 s each way (tbf shapes the rate,
+    not the delay: this kernel has no netem); unshaped again, it is back to memory speed."""
+    nbytes, mbit = 4_000_000, 16
+    ideal = nbytes * 8 / (mbit * 1e6)
+    hosts.shape("h2", mbit)
+    try:
+        out = _transfer_s(hosts, "h1", "h2", nbytes)  # into h2: its switch port's bucket
+        back = _transfer_s(hosts, "h2", "h1", nbytes)  # out of h2: its eth0's bucket
+    finally:
+        hosts.shape("h2", None)
+    free = _transfer_s(hosts, "h1", "h2", nbytes)
+    print(
+        f"\n4 MB at {mbit} Mbit/s: {out:.2f} s in, {back:.2f} s out (ideal {ideal:.2f} s); unshaped {free:.3f} s"
+    )
+    for seconds in (out, back):
+        assert 0.9 * ideal <= seconds <= 1.6 * ideal
+    assert free < ideal / 4
