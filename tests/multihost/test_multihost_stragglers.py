@@ -149,7 +149,7 @@ def test_multihost_exclude_host_morphs_onto_the_rest_with_the_same_batch_and_no_
     }
     assert sorted(e["host"] for e in hellos[first]) == ["h1", "h2"]
     assert [e["host"] for e in hellos[second]] == ["h1"]
-    assert {e["global_batch_size"] for e in hellos[first] + hellos[second]} == {32}
+    assert {e["global_batch_size"] for e in hellos[first] + hellos[second]} == {128}
     [note] = [e for e in events if e["type"] == "exclude_host"]
     assert (note["host"], note["slots"]) == ("h2", 1)
     assert "h2" not in (run_dir / "agent" / "hostfile").read_text()

@@ -39,7 +39,10 @@ def wait_for_small_core() -> None:
 
 
 steps, pause = int(sys.argv[1]), float(sys.argv[2])
-GLOBAL_BATCH, MICRO_BATCH = 32, 4  # steps long enough (tens of ms) for the scheduler's slices to even out
+# A step needs more CPU than the small core's quota gives in one period (25 ms per 100 ms): with
+# shorter steps (32 samples, about 10 ms) a step sometimes ran whole at the start of a fresh period,
+# at full speed, and the three slow steps in a row the watch flags came a step or two late
+GLOBAL_BATCH, MICRO_BATCH = 128, 8
 data = dataset("gpt")
 engine = Varuna(
     build("gpt"),
