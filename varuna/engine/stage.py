@@ -259,7 +259,8 @@ def initial_weights(
                 seen.add(id(value))
                 targets[key] = value
         if fresh:
-            unfiled = {id(t) for n, t in model.named_buffers() if n in nonpersistent_buffers(model)}
+            unfiled_names = nonpersistent_buffers(model)
+            unfiled = {id(t) for n, t in model.named_buffers() if n in unfiled_names}
             initialize(model, seed=seed, init=init, only=unfiled & set(fresh))
         with torch.no_grad():
             load_stage(source, {k: mapping[k] for k in targets}, {k: t.data for k, t in targets.items()})
