@@ -111,17 +111,17 @@ def test_pipeline_bench_quick_reports_every_system() -> None:
 
 
 def test_the_baseline_joins_the_rounds_of_the_shared_schedules() -> None:
-    from varuna.bench._pipeline_worker import _with_single
+    from varuna.bench.pipeline.worker import with_single
 
     spec = {"single": True, "varuna_schedules": ["gpipe", "1f1b", "varuna"], "torch_schedules": ["1f1b"]}
-    assert [s for s in ("gpipe", "1f1b", "varuna") if _with_single(spec, s)] == ["1f1b"]
+    assert [s for s in ("gpipe", "1f1b", "varuna") if with_single(spec, s)] == ["1f1b"]
     spec["torch_schedules"] = []  # nothing shared: the first schedule's rounds only
-    assert [s for s in ("gpipe", "1f1b", "varuna") if _with_single(spec, s)] == ["gpipe"]
+    assert [s for s in ("gpipe", "1f1b", "varuna") if with_single(spec, s)] == ["gpipe"]
     spec["single"] = False
-    assert not any(_with_single(spec, s) for s in ("gpipe", "1f1b", "varuna"))
+    assert not any(with_single(spec, s) for s in ("gpipe", "1f1b", "varuna"))
     # with torch's 1F1B in every round (the reference), in 1F1B's rounds only
     spec |= {"single": True, "reference": True, "torch_schedules": ["gpipe", "1f1b"]}
-    assert [s for s in ("gpipe", "1f1b", "varuna") if _with_single(spec, s)] == ["1f1b"]
+    assert [s for s in ("gpipe", "1f1b", "varuna") if with_single(spec, s)] == ["1f1b"]
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,7 @@ def test_ceilings_bound_each_schedule_by_its_busiest_and_mean_rank() -> None:
 
 
 def test_share_of_ideal() -> None:
-    from varuna.bench._pipeline_worker import share_of_ideal
+    from varuna.bench.pipeline.worker import share_of_ideal
 
     # one process takes 9 s for the batch; 2 stages, 8 micro-batches: ideal step 9 / 2 * 9 / 8 s
     assert share_of_ideal(9 / 2 * 9 / 8, 9.0, 2, 8) == pytest.approx(1.0)

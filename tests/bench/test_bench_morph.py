@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from _helpers import run_bench
 
-from varuna.bench import morph
-from varuna.bench.morph import MorphBench, quick
+from varuna.bench.morph import MorphBench, driver, quick
 from varuna.errors import ConfigError
 
 POSITIVE = (
@@ -61,14 +60,14 @@ def test_morph_bench_config_errors_name_the_setting() -> None:
 
 def test_plain_writes_keep_their_files_until_the_last(tmp_path: Path, monkeypatch) -> None:
     seen: list[int] = []
-    real = morph.plain_write
+    real = driver.plain_write
 
     def spy(folder: Path, nbytes: int, **kw) -> dict[str, float]:
         seen.append(len(list(folder.iterdir())))
         return real(folder, nbytes, **kw)
 
-    monkeypatch.setattr(morph, "plain_write", spy)
-    fresh, warm = morph.plain_writes(tmp_path, 1 << 20, repeats=3, settle_s=0)
+    monkeypatch.setattr(driver, "plain_write", spy)
+    fresh, warm = driver.plain_writes(tmp_path, 1 << 20, repeats=3, settle_s=0)
     assert seen == [0, 1, 2, 0]  # each new-page write finds the earlier files still there; the warm one none
     assert len(fresh) == 3 and all(r["mb_s"] > 0 for r in fresh) and warm["mb_s"] > 0
     assert list(tmp_path.iterdir()) == []

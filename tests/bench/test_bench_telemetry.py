@@ -11,8 +11,8 @@ import math
 import pytest
 from _helpers import run_bench
 
-from varuna.bench._telemetry_worker import phases
 from varuna.bench.telemetry import TelemetryBench, analyse
+from varuna.bench.telemetry.worker import phases
 from varuna.errors import ConfigError
 
 

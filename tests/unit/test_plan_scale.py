@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from varuna.bench._plan_scale import PaperGPT, paper_table
+from varuna.bench.planner.scale import PaperGPT, paper_table
 from varuna.cli import main
 from varuna.errors import ConfigError, PlanError
 from varuna.planner.cluster import Cluster, Links

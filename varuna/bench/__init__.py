@@ -2,8 +2,10 @@
 
     python -m varuna.bench pipeline --json     # Varuna's schedules vs torch.distributed.pipelining
 
-Each subcommand lives in its own module (`pipeline`, `morph`, `telemetry`, `planner`, `standin`, `faults`; see `__main__`) and
-starts its measured jobs as separate processes, so importing this package costs nothing.
+Each subcommand is a subpackage (`pipeline`, `morph`, `telemetry`, `planner`, `standin`, `memory`,
+`faults`; see `__main__`) whose `main(args)` runs it; it starts its measured jobs as separate
+processes (their `worker` modules), so importing this package costs nothing. `common` holds what
+several benches share beyond the helpers here.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["log", "bench_env", "print_report", "require_positive"]
+__all__ = ["ROOT", "log", "bench_env", "print_report", "require_positive"]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from varuna.bench._faults_case import Case, Result, cli_user_error, env_set, raises
+from varuna.bench.faults.case import Case, Result, cli_user_error, env_set, raises
 from varuna.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def engine_call(call: Callable[[Any, Any], Any], pattern: str) -> Callable[[Path
     """`call(engine, dataset)` on a real one-process engine must raise ConfigError matching `pattern`."""
 
     def case(tmp: Path) -> Result:
-        from varuna.bench._faults_ckpt import engine
+        from varuna.bench.faults.checkpoints import engine
 
         eng, data = engine(tmp / "run")
         try:
@@ -116,7 +116,7 @@ def silent_after(tmp: Path) -> Result:
 
 
 def max_restarts(tmp: Path) -> Result:
-    from varuna.bench._faults_jobs import TRAIN
+    from varuna.bench.faults.jobs import TRAIN
     from varuna.controller import JobController
 
     def start() -> Any:

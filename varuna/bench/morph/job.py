@@ -1,6 +1,6 @@
 """The morph benchmark's job: `varuna run --elastic` started as the user would, resized from outside.
 
-`_run_job` starts the job (see `varuna.bench.morph`'s docstring for its course), waits for
+`run_job` starts the job (see `varuna.bench.morph.driver`'s docstring for its course), waits for
 `steps_before` steps in rank 0's event log, runs `varuna resize`, waits for the relaunched job to
 end and returns the events, the supervisor's timestamped output lines and the request's times.
 """
@@ -18,26 +18,22 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from varuna.bench import bench_env, log
+from varuna.bench import ROOT, bench_env, log
 from varuna.errors import LaunchError
 
 if TYPE_CHECKING:
-    from varuna.bench._morph_config import MorphBench
+    from varuna.bench.morph.config import MorphBench
 
-_ROOT = Path(__file__).resolve().parents[2]
-_WORKER = "varuna.bench._morph_worker"
+_WORKER = "varuna.bench.morph.worker"
 _EVENTS = "bench-events.jsonl"
 
 
-def _log(msg: str) -> None:
-    log(msg)
-
-
-def _env() -> dict[str, str]:
+def job_env() -> dict[str, str]:
+    """The environment of the job, of `varuna resize` and of every other process the bench starts."""
     return bench_env(120)
 
 
-class _Lines:
+class Lines:
     """Reads a process's output in a thread: each line is logged to a file and kept with its time."""
 
     def __init__(self, pipe: IO[bytes], log: Path) -> None:
@@ -89,7 +85,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def _run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], _Lines, dict[str, float]]:
+def run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], Lines, dict[str, float]]:
     """Run the elastic job, resize it after `steps_before` steps; its events, output and request times."""
     (P, D), (P2, D2) = bench.start_shape, bench.to_shape
     name = f"morph {P}x{D} -> {P2}x{D2}"
@@ -107,27 +103,27 @@ def _run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], _Lines
     spec_path.write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "varuna", "run", "--elastic", "-p", str(P), "-d", str(D)]
     cmd += ["--run-dir", str(run_dir), "--timeout", f"{bench.job_timeout_s:g}", "-m", _WORKER, str(spec_path)]
-    log = tmp / "job.log"
-    _log(f"{name}: starting ({' '.join(cmd[1:])})")
+    log_path = tmp / "job.log"
+    log(f"{name}: starting ({' '.join(cmd[1:])})")
     deadline = time.monotonic() + bench.job_timeout_s
     proc = subprocess.Popen(
         cmd,
-        env=_env(),
-        cwd=_ROOT,
+        env=job_env(),
+        cwd=ROOT,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     assert proc.stdout is not None
-    lines = _Lines(proc.stdout, log)
+    lines = Lines(proc.stdout, log_path)
     request: dict[str, float] = {}
 
     def fail(why: str) -> LaunchError:
         _stop(proc)
         lines.join()
         return LaunchError(
-            f"benchmark job {name} {why}; run dir {run_dir}, its log: {log}; the end of it:\n{lines.tail()}"
+            f"benchmark job {name} {why}; run dir {run_dir}, its log: {log_path}; the end of it:\n{lines.tail()}"
         )
 
     try:
@@ -140,8 +136,8 @@ def _run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], _Lines
         request["t"] = time.time()
         resize = subprocess.run(
             [sys.executable, "-m", "varuna", "resize", str(run_dir), "-p", str(P2), "-d", str(D2)],
-            env=_env(),
-            cwd=_ROOT,
+            env=job_env(),
+            cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=60,
@@ -149,7 +145,7 @@ def _run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], _Lines
         request["returned"] = time.time()
         if resize.returncode != 0:
             raise fail(f"could not be resized: `varuna resize` exited {resize.returncode}: {resize.stderr}")
-        _log(f"{name}: resize requested ({resize.stdout.strip()})")
+        log(f"{name}: resize requested ({resize.stdout.strip()})")
         try:
             code = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
         except subprocess.TimeoutExpired:
@@ -165,6 +161,6 @@ def _run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], _Lines
     if not any(e["event"] == "done" and e["launch"] > 1 for e in events):
         raise LaunchError(
             f"benchmark job {name} exited 0 without a resumed launch finishing (no morph happened?); "
-            f"see {log} and {run_dir / _EVENTS}"
+            f"see {log_path} and {run_dir / _EVENTS}"
         )
     return events, lines, request

@@ -1,9 +1,11 @@
 """One rank of the stand-in bench: a transformers model cut by `auto_cut`, its stage's forward timed.
 
-Run by `varuna.bench.standin` as `varuna run --pipeline P -m varuna.bench._standin_worker SPEC OUT`.
-After two training steps, each rank runs its stage's forward (the engine's own `_forward`: stand-ins
-before its input CutPoint, its own modules, stop at its output CutPoint) `repeats` times on one
-micro-batch, with the stand-in timer on, and writes one JSON record per model to OUT/rank<r>.json.
+    varuna run --pipeline P -m varuna.bench.standin.worker SPEC OUT
+
+`varuna.bench.standin.driver` starts it so. After two training steps, each rank runs its stage's
+forward (the engine's own `_forward`: stand-ins before its input CutPoint, its own modules, stop at
+its output CutPoint) `repeats` times on one micro-batch, with the stand-in timer on, and writes one
+JSON record per model to OUT/rank<r>.json.
 """
 
 from __future__ import annotations

@@ -1,38 +1,38 @@
 """`varuna bench morph`: how long a resize takes, from the request to the first step in the new shape.
 
-    python -m varuna.bench morph --json          # ~100M-parameter GPT, ~1-2 min on 2 cores
+    python -m varuna.bench morph --json          # ~100M-parameter GPT
     python -m varuna.bench morph --quick         # tiny model: a smoke run of every path
 
 One elastic job, started as the user would start it, resized from outside as the user would:
 
-    varuna run --elastic -p 2 -d 1 --run-dir RUN -m varuna.bench._morph_worker SPEC.json
+    varuna run --elastic -p 2 -d 1 --run-dir RUN -m varuna.bench.morph.worker SPEC.json
         ... `steps_before` steps ...
     varuna resize RUN -p 1 -d 2          <- the request (t = 0)
         the step in flight ends with the stop flag set; every rank checkpoints; exit 75
         the supervisor relaunches 1 x 2 with VARUNA_RESUME=latest; the engine loads the checkpoint
         ... `steps_after` steps; the job ends
 
-Rank 0 of each launch logs timestamped events (see `_morph_worker`), with the seconds spent in
-varuna.checkpoint.layout's I/O calls; the supervisor's output lines are timestamped here as they arrive.
-On the run directory's filesystem, a plain sequential write of as many bytes as the checkpoint
-(one file, 8 MiB chunks, then fsync, as the checkpoint's files are fsynced before the commit)
-gives the rate the checkpoint is compared with, in the same page-cache state as the checkpoint's:
-its pages must be new ones. On a VM that hands freed memory back to its host (this one does: a
-virtio balloon with free page reporting), the first touch of a page the host took back is slow,
-and a write into such pages was measured here 2-3x slower than one into pages freed a moment ago
-(a second later they are already gone). The checkpoint's page-cache pages are new ones: nothing
-freed that much memory just before it. So the plain writes wait `plain_write_settle_s` after
-the job (whose exit freed gigabytes), and each keeps its file until all are done, so that none
-reuses another's pages; a "warm" write right after deleting them, the rate the checkpoint
-would be compared with if it reused freed pages, is reported beside it, as is a write before
-the job. Then a read-back CRC-32 pass over the committed checkpoint (what the checkpoint no
-longer does) and a one-process dcp.save with DCP's stock writer say what the old way would cost.
-Targets (reported, never asserted): request -> first resumed step <= 20 s; checkpoint write rate
->= 50% of the plain write rate.
+Rank 0 of each launch logs timestamped events (see `varuna.bench.morph.worker`), with the seconds
+spent in varuna.checkpoint.layout's I/O calls; the supervisor's output lines are timestamped here as
+they arrive. On the run directory's filesystem, a plain sequential write of as many bytes as the
+checkpoint (one file, 8 MiB chunks, then fsync, as the checkpoint's files are fsynced before the
+commit) gives the rate the checkpoint is compared with, in the same page-cache state as the
+checkpoint's: its pages must be new ones. On a VM that hands freed memory back to its host (a virtio
+balloon with free page reporting), the first touch of a page the host took back is slow, so a write
+into such pages is slower than one into pages freed a moment ago. The checkpoint's page-cache pages
+are new ones: nothing freed that much memory just before it. So the plain writes wait
+`plain_write_settle_s` after the job (whose exit freed gigabytes), and each keeps its file until all
+are done, so that none reuses another's pages; a "warm" write right after deleting them, the rate
+the checkpoint would be compared with if it reused freed pages, is reported beside it, as is a write
+before the job. Then a read-back CRC-32 pass over the committed checkpoint and a one-process
+dcp.save with DCP's stock writer say what verifying by reading back, and DCP's own writer, would
+cost (the checkpoint computes its CRC-32s in memory while it writes). Targets (reported, never
+asserted): request -> first resumed step <= 20 s; checkpoint write rate >= 50% of the plain write
+rate.
 
-This module holds the settings, the reference measurements and `run`; the job itself is started,
-resized and waited for in `_morph_job`, and `_morph_report` turns its event log into the report
-(`DEFINITIONS`, `format_table`, re-exported here).
+This module holds the reference measurements and `run`; the settings are in
+`varuna.bench.morph.config`, the job itself is started, resized and waited for in
+`varuna.bench.morph.job`, and `varuna.bench.morph.report` turns its event log into the report.
 """
 
 from __future__ import annotations
@@ -47,18 +47,18 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from varuna.bench import print_report
-from varuna.bench._morph_config import (
+from varuna.bench import log, print_report
+from varuna.bench.morph.config import (
     TARGET_REQUEST_TO_STEP_S,
     TARGET_WRITE_FRACTION,
     MorphBench,
     full,
     quick,
 )
-from varuna.bench._morph_job import _env, _log, _run_job
-from varuna.bench._morph_report import DEFINITIONS, MB, _analyse, _one, format_table
+from varuna.bench.morph.job import job_env, run_job
+from varuna.bench.morph.report import DEFINITIONS, MB, analyse, format_table, one_event
 
-__all__ = ["MorphBench", "full", "quick", "run", "plain_write", "crc_rate", "format_table"]
+__all__ = ["run", "main", "plain_write", "plain_writes", "crc_rate", "dcp_save_rate", "torch_import_s"]
 
 # ------------------------------------------------------------------------------------ measurements
 
@@ -150,7 +150,7 @@ def dcp_save_rate(checkpoint: Path, folder: Path) -> dict[str, float]:
 def torch_import_s() -> float:
     """Wall seconds of `python -c "import torch"` here: the floor of every relaunched process."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120, env=_env())
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120, env=job_env())
     return time.perf_counter() - t0
 
 
@@ -170,12 +170,12 @@ def run(bench: MorphBench) -> dict[str, Any]:
         params = count_parameters(GPT(GPTConfig(**bench.model)))
     tmp = Path(tempfile.mkdtemp(prefix="varuna-bench-morph-"))
     # fp32 parameters and AdamW's two moments: the checkpoint's size, give or take its metadata
-    _log(f"plain write of {12 * params / MB:.0f} MB before the job (memory not recently used)")
+    log(f"plain write of {12 * params / MB:.0f} MB before the job (memory not recently used)")
     cold = plain_write(tmp, 12 * params)
-    events, lines, request = _run_job(bench, tmp)
+    events, lines, request = run_job(bench, tmp)
     load_after_job = _load()
-    report = _analyse(bench, events, lines, request)
-    _log(
+    report = analyse(bench, events, lines, request)
+    log(
         f"job done; {bench.plain_write_repeats} plain writes of {report['bytes'] / MB:.0f} MB in {tmp / 'run'} "
         f"after {bench.plain_write_settle_s:g} s, then one into their freed pages"
     )
@@ -183,7 +183,7 @@ def run(bench: MorphBench) -> dict[str, Any]:
         tmp / "run", report["bytes"], bench.plain_write_repeats, bench.plain_write_settle_s
     )
     plain = sorted(plains, key=lambda r: r["mb_s"])[len(plains) // 2]
-    committed = Path(_one(events, "checkpoint", 1)["path"])
+    committed = Path(one_event(events, "checkpoint", 1)["path"])
     crc = crc_rate(committed) if committed.is_dir() else None
     one = dcp_save_rate(committed, tmp / "run") if committed.is_dir() else None
     torch_s = torch_import_s()

@@ -1,5 +1,5 @@
-"""The morph benchmark's settings (`MorphBench`) and presets, apart from `varuna.bench.morph`, which
-runs it, so that the job runner and the report can name the settings without importing the bench."""
+"""The morph benchmark's settings (`MorphBench`) and presets, apart from `varuna.bench.morph.driver`,
+which runs it, so that the job runner and the report can name the settings without importing the bench."""
 
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ class MorphBench:
     """Plain sequential writes after the job; `plain_write_mb_s` is their median."""
     plain_write_settle_s: float = 3.0
     """Seconds between the job's end and the plain writes, so that the memory its exit freed is no
-    longer at hand (here it was gone within a second) and the writes get new pages, as the
-    checkpoint did."""
+    longer at hand and the writes get new pages, as the checkpoint did."""
     early_checkpoint_step: int | None = None
     """If set, the first launch also checkpoints after this step, before the resize, as periodic
     checkpointing would (the morph's checkpoint is then not the first one of its processes)."""

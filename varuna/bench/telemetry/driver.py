@@ -1,6 +1,6 @@
 """`varuna bench telemetry`: what the workers' telemetry costs, and how fast the workbench redraws.
 
-    python -m varuna.bench telemetry --json       # ~2.5 min on 2 cores; one JSON object on stdout
+    python -m varuna.bench telemetry --json       # one JSON object on stdout
     python -m varuna.bench telemetry --quick      # tiny model, few steps: a smoke run of every path
 
 Throughput, telemetry on against off, in one job: a GPT pipeline (`full`: `gpt_bench()`'s layers,
@@ -10,11 +10,11 @@ and memory, each event appended to the run directory's log and PUSHed (signed) t
 which verifies and stores it. "Off" is the same job with its telemetry paused (`Telemetry.paused`:
 nothing recorded, logged or sent; commands still read), so both phases run in the same processes
 on the same warm caches. The job switches every step on every rank at once: warm-up (on), then
-pairs of adjacent steps (off, on), (on, off), (off, on), ... (see `_telemetry_worker`).
+pairs of adjacent steps (off, on), (on, off), (off, on), ... (see `varuna.bench.telemetry.worker`).
 
-Two cores shared with other work make single steps noisy (+-15 % here), but the noise drifts over
-seconds, so each "on" step is compared with the "off" step next to it, each step in one pair only
-(a slow step then counts against whichever phase it fell in, equally often):
+Cores shared with other work make single steps noisy, but the noise drifts over seconds, so each
+"on" step is compared with the "off" step next to it, each step in one pair only (a slow step then
+counts against whichever phase it fell in, equally often):
 
     x_k              log(t(on) / t(off)) of pair k                    (wall seconds)
     typical          median of x_k over the pairs whose on step did not count activations
@@ -24,13 +24,13 @@ seconds, so each "on" step is compared with the "off" step next to it, each step
     spread           per repeat (the job cut into `repeats` stretches of consecutive pairs), a
                      bootstrap 90 % interval over pairs, and the same estimate from the CPU seconds
 
-`samples_per_s_off` is the global batch over the median off step; `samples_per_s_on` is that
-times (1 - overhead), so `overhead` is (off - on) / off. The naive figures (means of the on and
-off steps) are under `estimate.naive`. Messages of an "on" step that the controller handles while
-the next step runs may be charged to an "off" step after it; they cost ~0.1 ms a step (4 events),
-so that bias is < 0.05 %. Then the widget refresh rate for 4 stages x 64 micro-batches, from
-`varuna_widgets.bench.measure_refresh_hz` (in a subprocess, after the job: it must not compete
-with it for the cores; null, with a note, where the widgets package is missing).
+`samples_per_s_off` is the global batch over the median off step; `samples_per_s_on` is that times
+(1 - overhead), so `overhead` is (off - on) / off. The naive figures (means of the on and off steps)
+are under `estimate.naive`. Messages of an "on" step that the controller handles while the next step
+runs may be charged to an "off" step after it; they are a few events a step, so that bias is small
+against the overhead. Then the widget refresh rate for 4 stages x 64 micro-batches, from
+`varuna_widgets.bench.measure_refresh_hz` (in a subprocess, after the job: it must not compete with
+it for the cores; null, with a note, where the widgets package is missing).
 """
 
 from __future__ import annotations
@@ -49,15 +49,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from varuna.bench import bench_env, log, print_report, require_positive
+from varuna.bench import ROOT, bench_env, log, print_report, require_positive
 from varuna.errors import ConfigError, LaunchError
 from varuna.schedule import SCHEDULES
 
-__all__ = ["TelemetryBench", "full", "quick", "run", "analyse", "format_table"]
+__all__ = ["TelemetryBench", "full", "quick", "run", "analyse", "format_table", "main"]
 
-_WORKER = "varuna.bench._telemetry_worker"
+_WORKER = "varuna.bench.telemetry.worker"
 _TARGET = 0.02  # the issue's target; reported, never asserted
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -320,7 +319,7 @@ def widget_refresh(bench: TelemetryBench) -> dict[str, Any]:
         proc = subprocess.run(
             [sys.executable, "-c", _WIDGET_CODE, *args],
             env=bench_env(60),
-            cwd=_ROOT,
+            cwd=ROOT,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

@@ -1,6 +1,6 @@
 """One job of the telemetry benchmark: every rank runs this module, rank 0 writes the per-step figures.
 
-    JobController.start(["-m", "varuna.bench._telemetry_worker", SPEC.json], pipeline=P, data=D)
+    JobController.start(["-m", "varuna.bench.telemetry.worker", SPEC.json], pipeline=P, data=D)
 
 The job trains a GPT with its telemetry attached to a live controller and switches it every step,
 the same on every rank: warm-up steps on, then pairs of adjacent steps, (off, on), (on, off),
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from varuna.bench._pipeline_common import LR, _batches, _model
-from varuna.bench._pipeline_worker import _gather
+from varuna.bench.common import LR, build_model, gather, global_batches
+from varuna.telemetry.recorder import Telemetry
 
 
 def phases(warmup: int, pairs: int) -> list[str]:
@@ -47,9 +47,9 @@ def main(argv: list[str]) -> None:
     faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
     plan = phases(spec["warmup"], spec["pairs"])
     spec = {**spec, "steps": len(plan) - spec["warmup"]}
-    batches = _batches({**spec, "steps": min(spec["steps"], 8)})  # cycled: data making is not timed
+    batches = global_batches({**spec, "steps": min(spec["steps"], 8)})  # cycled: data making is not timed
     engine = Varuna(
-        _model(spec["model"]),
+        build_model(spec["model"]),
         global_batch_size=spec["global_batch_size"],
         micro_batch_size=spec["micro_batch_size"],
         schedule=spec["schedule"],
@@ -58,7 +58,8 @@ def main(argv: list[str]) -> None:
     engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR))
     # The bench's own switch; a controller does the same with `set(paused=...)`, but a command lands
     # on whichever step each rank polls next, and this must be the same step on every rank.
-    telemetry = engine._telemetry
+    telemetry = engine.observer
+    assert isinstance(telemetry, Telemetry)  # the engine's observer
     wall: list[float] = []
     cpu: list[float] = []
     memory: list[bool] = []
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> None:
         cpu.append(time.process_time() - c)
         memory.append(telemetry.last_step_counted_memory)
     mine = {"wall": wall, "cpu": cpu, "memory": memory, "drops": telemetry.drops}
-    every = _gather(mine)
+    every = gather(mine)
     if engine.rank == 0:
         steps = [
             {

@@ -1,5 +1,5 @@
 """torch.distributed.pipelining's side of the pipeline benchmark: the bench GPT cut into
-`PipelineStage`s at Varuna's boundaries, and a runner per schedule (`_TorchRunner`)."""
+`PipelineStage`s at Varuna's boundaries, and a runner per schedule (`TorchRunner`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from varuna.bench._pipeline_common import LR, _model
+from varuna.bench.common import LR, build_model
 from varuna.models import GPT
 
-__all__ = ["_TorchRunner", "_Stage", "_units", "_stage_units"]
+__all__ = ["TorchRunner"]
 
 
 def _units(n_layer: int, inside: bool) -> list[tuple[str, int]]:
@@ -67,7 +67,7 @@ def _lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-class _TorchRunner:
+class TorchRunner:
     """One torch.distributed.pipelining stage of the spec's model (at the spec's boundaries) and
     schedule, with its own AdamW; `step(batch)` returns the mean loss on the last stage."""
 
@@ -96,7 +96,7 @@ class _TorchRunner:
         held = sched.stages_of(self.rank, P)
         self.first, self.last = 0 in held, n - 1 in held
         units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
-        gpt = _model(spec["model"])
+        gpt = build_model(spec["model"])
         bounds = spec["boundaries_by_schedule"][name]
         self.modules = [
             _Stage(gpt, _stage_units(bounds, v, units), first=v == 0, last=v == n - 1) for v in held

@@ -1,7 +1,7 @@
-"""One job of the planner benchmark, and the host-load probe it shares with `varuna.bench.planner`.
+"""One job of the planner benchmark: every rank runs this module, rank 0 writes the results.
 
-    varuna run -p 4 --run-dir RUN -m varuna.bench._planner_worker SPEC.json     # mode "profile"
-    varuna run -p W --run-dir RUN -m varuna.bench._planner_worker SPEC.json     # mode "measure"
+    varuna run -p 4 --run-dir RUN -m varuna.bench.planner.worker SPEC.json     # mode "profile"
+    varuna run -p W --run-dir RUN -m varuna.bench.planner.worker SPEC.json     # mode "measure"
 
     profile   `varuna.profile.measure.run_profile` on every rank: the network along the layouts of 2 and 4
               ranks, the compute slowdown with 1..4 ranks busy, the model on rank 0 ->
@@ -14,9 +14,9 @@
               a barrier to the end of the optimizer step; its time is the slowest rank's. Rank 0
               writes the results to the spec's `out`.
 
-This host's speed drifts by 10-40% over minutes even with nothing else running in the VM (other
-VMs share the machine): a profile describes the host as it was during the profile. So each round
-is predicted from a profile taken just before it, not from one taken minutes earlier.
+A shared host's speed drifts over minutes even with nothing else running in its VM (other VMs share
+the machine): a profile describes the host as it was during the profile. So each round is predicted
+from a profile taken just before it, not from one taken minutes earlier.
 
 This host is shared: other people's processes take cores at random times, and a step measured
 then says nothing about the planner. So before each round rank 0 waits (up to `quiet_wait_s`)
@@ -42,44 +42,13 @@ from typing import Any
 
 import torch
 
+from varuna.bench.planner.load import foreign_cores, host_busy_s, wait_quiet
 from varuna.data import SyntheticLM, collate, global_indices
 from varuna.models import GPT, GPTConfig
 
 LR = 1e-4
 SEED = 0
 CORES = os.cpu_count() or 1
-
-
-def host_busy_s() -> float | None:
-    """CPU seconds the whole host has spent busy since boot (all cores; None off Linux)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return None
-    ticks = [int(x) for x in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
-
-
-def foreign_cores(
-    busy_before: float | None, busy_after: float | None, own_cpu_s: float, wall_s: float
-) -> float | None:
-    """Cores other processes kept busy on average: host busy time minus our own, over the wall time."""
-    if busy_before is None or busy_after is None or wall_s <= 0:
-        return None
-    return max(busy_after - busy_before - own_cpu_s, 0.0) / wall_s
-
-
-def wait_quiet(max_foreign: float, timeout_s: float, window_s: float = 0.5) -> float | None:
-    """Wait (up to `timeout_s`) for a `window_s` in which the host is busier than `max_foreign`
-    cores by no one but us (call it while this job idles); returns the last window's load."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        before, own, t0 = host_busy_s(), time.process_time(), time.perf_counter()
-        time.sleep(window_s)
-        load = foreign_cores(before, host_busy_s(), time.process_time() - own, time.perf_counter() - t0)
-        if load is None or load <= max_foreign or time.monotonic() >= deadline:
-            return load
 
 
 def _log(msg: str) -> None:
@@ -171,16 +140,15 @@ def _bracketed_steps(
     spec: dict[str, Any], c: dict[str, Any], batches: list[dict[str, torch.Tensor]], table: Any
 ) -> tuple[Any, list[float]]:
     """`_steps` of `c` bracketed by two profiles of the model's compute at `c`'s micro-batch size,
-    and the round's profile with its per-segment compute replaced by the mean of the two. The
-    host's speed moves within seconds (the same 30 passes took 1.53 and 1.80 s ten seconds apart),
-    so compute timed around a configuration describes the host it ran on better than compute timed
-    at the start of the round; one profile just before still missed by 15-20% either way in single
-    rounds. The network and the slowdown table stay the round's.
+    and the round's profile with its per-segment compute replaced by the mean of the two. A shared
+    host's speed moves within seconds, so compute timed around a configuration describes the host it
+    ran on better than compute timed at the start of the round, or by one profile just before it.
+    The network and the slowdown table stay the round's.
 
     min(W, cores) ranks profile at once and rank 0's times over the round's slowdown at that count
-    are the lone compute: in one run the compute timed on rank 0 alone said the host was 10-15%
-    faster than usual while the 2-rank configurations measured at it ran at their usual speed
-    (all predicted 9-16% short): one busy core and two do not speed up and slow down alike."""
+    are the lone compute: one busy core and two do not speed up and slow down alike, so compute
+    timed on rank 0 alone can describe another host than the one the configurations of several
+    ranks run on."""
     import dataclasses
 
     import torch.distributed as dist
@@ -191,10 +159,10 @@ def _bracketed_steps(
     m = c["micro_batch_size"]
     rank, world = dist.get_rank(), dist.get_world_size()
     # k = min(W, cores) ranks profile at once, so the compute is timed with the cores as busy as
-    # the job keeps them (this host's two cores do not speed up and slow down alike for one busy
-    # rank and for two); rank 0's times over the round's slowdown at k busy are then the lone
-    # compute the simulator scales back. More than one rank per core would time-slice the timed
-    # passes, so with W > cores the others wait.
+    # the job keeps them (the cores do not speed up and slow down alike for one busy rank and for
+    # two); rank 0's times over the round's slowdown at k busy are then the lone compute the
+    # simulator scales back. More than one rank per core would time-slice the timed passes, so
+    # with W > cores the others wait.
     k = min(world, CORES)
     together = k > 1 and k in table.compute_slowdown
     model = _model(spec["model"]) if rank == 0 or (together and rank < k) else None  # left as it was

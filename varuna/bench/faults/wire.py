@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from varuna.bench._faults_case import Case, Result, cli, wait_for
+from varuna.bench.faults.case import Case, Result, cli, wait_for
 
 
 def channel_attack(

@@ -1,6 +1,6 @@
 """The fault bench's training script: a tiny GPT, STEPS steps, PAUSE seconds after each.
 
-    varuna run -p 2 varuna/bench/_faults_train.py STEPS PAUSE [--crash-at N] [--stop-first] [--store-report FILE]
+    varuna run -p 2 varuna/bench/faults/train.py STEPS PAUSE [--crash-at N] [--stop-first] [--store-report FILE]
 
 --crash-at N: a launch that started at step 0 checkpoints after step N-1 and raises in step N (a
 relaunch from that checkpoint goes through). --stop-first: rank 0 sends itself SIGUSR1 before Varuna()

@@ -1,6 +1,6 @@
 """The fixed per-step cost of a pipeline step outside its schedule, on a model small enough for it to show.
 
-    varuna run --pipeline 2 --run-dir /tmp/ovh varuna/bench/_step_overhead.py [STEPS] [MICROBATCHES]
+    varuna run --pipeline 2 --run-dir /tmp/ovh varuna/bench/pipeline/step_overhead.py [STEPS] [MICROBATCHES]
 
 Trains `gpt_tiny` at P = 2 with micro-batches of one sample, so each step is many small messages and
 little compute, and prints one `OVERHEAD {json}` line per rank with the medians over the timed steps of:

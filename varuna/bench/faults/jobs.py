@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from varuna.bench import bench_env
-from varuna.bench._faults_case import Case, Result, cli, first_line, wait_for
+from varuna.bench.faults.case import Case, Result, cli, first_line, wait_for
 from varuna.launch.pids import job_processes
 
-TRAIN = Path(__file__).resolve().parent / "_faults_train.py"
+TRAIN = Path(__file__).resolve().parent / "train.py"
 
 
 class Jobs:

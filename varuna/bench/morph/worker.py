@@ -1,8 +1,8 @@
 """The training script of the morph benchmark: every rank runs it, rank 0 logs timestamped events.
 
-    varuna run --elastic -p 2 -d 1 --run-dir RUN -m varuna.bench._morph_worker SPEC.json
+    varuna run --elastic -p 2 -d 1 --run-dir RUN -m varuna.bench.morph.worker SPEC.json
 
-SPEC.json (written by `varuna.bench.morph`) holds the model config, the batch shape and the step
+SPEC.json (written by `varuna.bench.morph.job`) holds the model config, the batch shape and the step
 counts. A fresh launch trains until a stop request morphs it (at most `max_steps`); a resumed
 launch trains `steps_after` more steps and ends. Rank 0 appends one JSON line per event to
 RUN/bench-events.jsonl, each with `t` (time.time()), the launch number and the shape:

@@ -21,7 +21,7 @@ the model: it walks the meta model's state-dict shapes and makes one shard's ten
                       resident memory at the check, plus its total) against the peak.
     torch.pipelining  at each P of `torch_pipelines`: its own meta-device recipe on the same model
                       and folder, at the layers Varuna's partition gave each stage at that P, with
-                      the same measurements (`varuna.bench._memory_worker`).
+                      the same measurements (`varuna.bench.memory.worker`).
 
 Then the largest model that fits a per-rank limit (`limit`): with the hidden size fixed, for each
 P the most layers whose estimate fits, found in this one process without training (`LayerSearch`):
@@ -53,9 +53,19 @@ from typing import Any
 from varuna.bench import ROOT, bench_env, log, print_report, require_positive
 from varuna.errors import ConfigError, LaunchError
 
-__all__ = ["MemoryBench", "full", "quick", "run", "write_weights", "LayerSearch", "format_table"]
+__all__ = [
+    "MemoryBench",
+    "full",
+    "quick",
+    "run",
+    "meta_llama",
+    "write_weights",
+    "LayerSearch",
+    "format_table",
+    "main",
+]
 
-_WORKER = "varuna.bench._memory_worker"
+_WORKER = "varuna.bench.memory.worker"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,7 +130,7 @@ class MemoryBench:
         parse_memory(self.limit)
 
     def spec(self, **extra: Any) -> dict[str, Any]:
-        """What a worker reads (`varuna.bench._memory_worker`)."""
+        """What a worker reads (`varuna.bench.memory.worker`)."""
         return {
             "config": self.config,
             "seq_len": self.seq_len,

@@ -1,5 +1,5 @@
 """The pipeline benchmark's report: ratios between the systems, the issue's targets, each
-schedule's compute ceiling, and the text table (`varuna.bench.pipeline` runs the jobs)."""
+schedule's compute ceiling, and the text table (`varuna.bench.pipeline.driver` runs the jobs)."""
 
 from __future__ import annotations
 

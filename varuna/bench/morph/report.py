@@ -1,13 +1,13 @@
 """The morph benchmark's report: what its numbers mean, how they come out of the event log, its table.
 
-`varuna.bench.morph` runs the job (in `_morph_job`) and the reference writes; this module reads
-what they left:
+`varuna.bench.morph.driver` runs the job (in `varuna.bench.morph.job`) and the reference writes; this
+module reads what they left:
 
     DEFINITIONS     every reported field, as it is measured
-    _analyse        rank 0's events + the supervisor's timestamped lines -> timeline, breakdown, rates
+    analyse         rank 0's events + the supervisor's timestamped lines -> timeline, breakdown, rates
     format_table    the headline numbers, the timeline and its breakdown as aligned text
 
-`varuna.bench.morph` re-exports `format_table`, `DEFINITIONS` and `MB`.
+`varuna.bench.morph` exports `format_table` and `DEFINITIONS`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from varuna.errors import LaunchError
 
 if TYPE_CHECKING:
-    from varuna.bench._morph_config import MorphBench
-    from varuna.bench._morph_job import _Lines
+    from varuna.bench.morph.config import MorphBench
+    from varuna.bench.morph.job import Lines
 
 MB = 1e6
 
@@ -68,25 +68,25 @@ DEFINITIONS = {
 }
 
 
-def _one(events: list[dict[str, Any]], event: str, launch: int) -> dict[str, Any]:
+def one_event(events: list[dict[str, Any]], event: str, launch: int) -> dict[str, Any]:
     found = [e for e in events if e["event"] == event and e["launch"] == launch]
     if not found:
         raise LaunchError(f"the morph benchmark's event log has no {event!r} event for launch {launch}")
     return found[0]
 
 
-def _analyse(
-    bench: MorphBench, events: list[dict[str, Any]], lines: _Lines, request: dict[str, float]
+def analyse(
+    bench: MorphBench, events: list[dict[str, Any]], lines: Lines, request: dict[str, float]
 ) -> dict[str, Any]:
     t0 = request["t"]
     old = 1
     new = max(e["launch"] for e in events)
-    ckpt = _one(events, "checkpoint", old)
+    ckpt = one_event(events, "checkpoint", old)
     stop_step = next(
         e for e in events if e["event"] == "step" and e["launch"] == old and e["step"] + 1 == ckpt["step"]
     )
     resumed_steps = [e for e in events if e["event"] == "step" and e["launch"] == new]
-    engine_built = _one(events, "engine_built", new)
+    engine_built = one_event(events, "engine_built", new)
     resume_info = engine_built["resume_info"]
     if not resume_info:
         raise LaunchError(f"launch {new} of the morph benchmark did not resume from a checkpoint")
@@ -95,15 +95,15 @@ def _analyse(
         "resize_command_returned": request["returned"],
         "stop_step_computed": stop_step["start"] + stop_step["step_s"],
         "checkpoint_committed": stop_step["t"],
-        "old_job_exit_raised": _one(events, "exit", old)["t"],
+        "old_job_exit_raised": one_event(events, "exit", old)["t"],
         "supervisor_morph_line": lines.first(r"varuna: morphing \d+x\d+ -> "),
         "new_job_launched": lines.first(rf"varuna: {P2 * D2} ranks \(pipeline {P2} x data {D2}\)"),
-        "new_process_started": _one(events, "process_start", new)["t"],
-        "new_module_started": _one(events, "module_start", new)["t"],
-        "new_imports_done": _one(events, "imported", new)["t"],
-        "new_model_built": _one(events, "model_built", new)["t"],
+        "new_process_started": one_event(events, "process_start", new)["t"],
+        "new_module_started": one_event(events, "module_start", new)["t"],
+        "new_imports_done": one_event(events, "imported", new)["t"],
+        "new_model_built": one_event(events, "model_built", new)["t"],
         "new_engine_built": engine_built["t"],
-        "new_optimizer_set": _one(events, "optimizer_set", new)["t"],
+        "new_optimizer_set": one_event(events, "optimizer_set", new)["t"],
         "first_resumed_step_end": resumed_steps[0]["t"],
     }
     timeline = {k: (round(v - t0, 3) if v is not None else None) for k, v in marks.items()}

@@ -1,10 +1,10 @@
 """``python -m varuna.bench faults``: faults, attacks and bad inputs against the real library.
 
 Each case provokes one thing issue #17 guards against and reports what it observed; ``ok`` is judged
-from that observation. The cases live by subject: checkpoints (`_faults_ckpt`), the signed channel and
-process identity (`_faults_wire`), bad input (`_faults_inputs`), and multi-rank jobs (`_faults_jobs`,
-skipped by ``--quick``). Everything is written under one temporary folder, and every process a case
-started is ended before the report, whatever happened.
+from that observation. The cases live by subject: checkpoints (`checkpoints`), the signed channel
+and process identity (`wire`), bad input (`inputs`), and multi-rank jobs (`jobs`, skipped by
+``--quick``); `case` says what a case is. Everything is written under one temporary folder, and
+every process a case started is ended before the report, whatever happened.
 
     python -m varuna.bench faults --json             # all cases, one JSON object on stdout
     python -m varuna.bench faults --quick --only ENOSPC
@@ -23,13 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from varuna.bench import log, print_report
-from varuna.bench._faults_case import Case, first_line
+from varuna.bench.faults.case import Case, first_line
+
+__all__ = ["all_cases", "select", "run_cases", "table", "main"]
 
 
 def all_cases() -> list[Case]:
-    from varuna.bench import _faults_ckpt, _faults_inputs, _faults_jobs, _faults_wire
+    from varuna.bench.faults import checkpoints, inputs, jobs, wire
 
-    return _faults_ckpt.cases() + _faults_wire.cases() + _faults_inputs.cases() + _faults_jobs.cases()
+    return checkpoints.cases() + wire.cases() + inputs.cases() + jobs.cases()
 
 
 def select(cases: list[Case], *, quick: bool, only: str | None) -> list[Case]:
@@ -38,7 +40,7 @@ def select(cases: list[Case], *, quick: bool, only: str | None) -> list[Case]:
 
 
 def run_cases(cases: list[Case]) -> list[dict[str, Any]]:
-    from varuna.bench._faults_jobs import JOBS
+    from varuna.bench.faults.jobs import JOBS
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="varuna-faults-") as tmp:

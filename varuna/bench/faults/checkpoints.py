@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from varuna.bench._faults_case import Case, Result, first_line, raises, warned
+from varuna.bench.faults.case import Case, Result, first_line, raises, warned
 
 
 def engine(run_dir: Path, **kw: Any) -> tuple[Any, Any]:

@@ -21,6 +21,8 @@ from typing import Any
 from varuna.bench import bench_env, log, print_report, require_positive
 from varuna.errors import ConfigError, LaunchError
 
+__all__ = ["StandinBench", "full", "quick", "run", "format_table", "main"]
+
 
 @dataclass(kw_only=True, slots=True)
 class StandinBench:
@@ -83,7 +85,7 @@ def run(bench: StandinBench) -> dict[str, Any]:
                 "--run-dir",
                 str(Path(tmp) / f"run{p}"),
                 "-m",
-                "varuna.bench._standin_worker",
+                "varuna.bench.standin.worker",
                 spec,
                 str(out),
             ]

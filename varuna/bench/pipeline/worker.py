@@ -1,8 +1,8 @@
 """One measured job of the pipeline benchmark: every rank runs this module, rank 0 writes the results.
 
-    varuna run --pipeline P -m varuna.bench._pipeline_worker SPEC.json
+    varuna run --pipeline P -m varuna.bench.pipeline.worker SPEC.json
 
-SPEC.json (written by `varuna.bench.pipeline`) gives the model config, the batch shape, P, the
+SPEC.json (written by `varuna.bench.pipeline.driver`) gives the model config, the batch shape, P, the
 schedules of each system, whether the one-process baseline joins the rounds, the step counts and
 the output file. The job runs every system at that P, schedule by schedule, alternating step by
 step (`run_rounds`). Every system trains the same GPT (same seed, so the same initial weights) on
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from varuna.bench._pipeline_common import LR, _batches, _log, _model
-from varuna.bench._pipeline_torch import _TorchRunner
+from varuna.bench.common import LR, build_model, gather, global_batches, worker_log
+from varuna.bench.pipeline.torch_baseline import TorchRunner
 
 REFERENCE = "torch.pipelining 1f1b (reference)"
 """torch.pipelining's 1F1B, at its own cut, in the rounds of every other schedule at the paired P
@@ -128,7 +128,7 @@ class _SingleRunner:
         self.mbs = spec["micro_batch_size"]
         self.M = spec["global_batch_size"] // self.mbs
         if active:
-            self.model = _model(spec["model"])
+            self.model = build_model(spec["model"])
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     def step(self, batch: dict[str, Tensor]) -> float | None:
@@ -148,14 +148,6 @@ class _SingleRunner:
 # ------------------------------------------------------------------------------------------ varuna
 
 
-def _gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 class _VarunaRunner:
     """One Varuna engine of the spec's model at one schedule; `step(batch)` returns the loss."""
 
@@ -163,7 +155,7 @@ class _VarunaRunner:
         from varuna import Varuna
 
         self.engine = Varuna(
-            _model(spec["model"]),
+            build_model(spec["model"]),
             pipeline=spec["pipeline"],
             data=1,
             global_batch_size=spec["global_batch_size"],
@@ -199,7 +191,7 @@ def _partition(spec: dict[str, Any], schedule: str) -> Any:
 # -------------------------------------------------------------------------------------------- rounds
 
 
-def _with_single(spec: dict[str, Any], schedule: str) -> bool:
+def with_single(spec: dict[str, Any], schedule: str) -> bool:
     """Whether the one-process baseline joins the rounds of `schedule`: those of every schedule both
     systems run, or (when they share none) those of the first schedule only."""
     if not spec["single"]:
@@ -213,20 +205,19 @@ def _with_single(spec: dict[str, Any], schedule: str) -> bool:
 def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Every system of every schedule at one P in this one job, step by step in turn.
 
-    This host's speed drifts by tens of percent over minutes, so two jobs a minute apart compare
-    the host as much as the systems. Here, for each schedule, step k of each system runs right
-    after step k of the others (the order rotating), on the same processes, weights and batches:
-    each round's ratio of torch.pipelining's step over Varuna's cancels the drift, and their median
-    is the comparison (`pair_ratios`). With `spec["single"]` the baseline ("single": the whole model
-    on rank 0, the other ranks waiting at the next barrier) runs in the same rounds, so a
-    pipeline's share of its ideal compares it with the host as it was at the same time
-    (`of_ideal_per_round`). With `spec["reference"]` torch.pipelining's 1F1B (at its own cut) runs
-    in the rounds of every other schedule too, so each system's speed over it is measured step by
-    step (`ref_ratios`), as the issue's targets compare them: schedules run minutes apart on this
-    host differ by up to 10% in the baseline's speed alone. The baseline then runs in 1F1B's rounds
-    only (it is the slowest step of all), and the other shares of the ideal go through the reference:
-    its median share there times each round's ratio over it. One job per P also means one start-up
-    per P, not one per system.
+    A shared host's speed drifts over minutes, so two jobs a minute apart compare the host as much
+    as the systems. Here, for each schedule, step k of each system runs right after step k of the
+    others (the order rotating), on the same processes, weights and batches: each round's ratio of
+    torch.pipelining's step over Varuna's cancels the drift, and their median is the comparison
+    (`pair_ratios`). With `spec["single"]` the baseline ("single": the whole model on rank 0, the
+    other ranks waiting at the next barrier) runs in the same rounds, so a pipeline's share of its
+    ideal compares it with the host as it was at the same time (`of_ideal_per_round`). With
+    `spec["reference"]` torch.pipelining's 1F1B (at its own cut) runs in the rounds of every other
+    schedule too, so each system's speed over it is measured step by step (`ref_ratios`), as the
+    issue's targets compare them: schedules run minutes apart differ in the baseline's speed alone.
+    The baseline then runs in 1F1B's rounds only (it is the slowest step of all), and the other
+    shares of the ideal go through the reference: its median share there times each round's ratio
+    over it. One job per P also means one start-up per P, not one per system.
 
     Varuna's engine of each schedule chooses that schedule's boundaries (`spec["partition"]`,
     "fastest" by default: the segment profile is shared, the cut fitted to the schedule), and
@@ -234,7 +225,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """
     import torch.distributed as dist
 
-    batches = _batches(spec)
+    batches = global_batches(spec)
     P, rank = spec["pipeline"], dist.get_rank()
     M = spec["global_batch_size"] // spec["micro_batch_size"]
     w = spec["warmup"]
@@ -245,7 +236,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     ref_share: tuple[float, float] | None = None  # torch 1F1B's median share of the ideal, single's samples/s
     for name in schedules:
-        systems: dict[str, _VarunaRunner | _TorchRunner | _SingleRunner] = {}
+        systems: dict[str, _VarunaRunner | TorchRunner | _SingleRunner] = {}
         engine = None
         if name in varuna_schedules:
             runner = _VarunaRunner(spec, name, batches[0])
@@ -253,15 +244,15 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
             # Varuna's engine cut the model for this schedule: torch.pipelining runs the same cut
             spec.setdefault("boundaries_by_schedule", {})[name] = list(engine.partition.boundaries)
             if rank == 0:
-                _log(f"P={P} {name}: boundaries {list(engine.partition.boundaries)}")
+                worker_log(f"P={P} {name}: boundaries {list(engine.partition.boundaries)}")
             systems["varuna"] = runner
         if name in torch_schedules:
-            systems["torch.pipelining"] = _TorchRunner(spec, name)
-        if _with_single(spec, name):
+            systems["torch.pipelining"] = TorchRunner(spec, name)
+        if with_single(spec, name):
             systems["single"] = _SingleRunner(spec, active=rank == 0)
         ref = None if not spec.get("reference") else "torch.pipelining" if name == "1f1b" else REFERENCE
         if ref == REFERENCE:
-            systems[REFERENCE] = _TorchRunner(spec, "1f1b")
+            systems[REFERENCE] = TorchRunner(spec, "1f1b")
         names = list(systems)
         clocks = {k: _Clock() for k in names}
         losses: dict[str, list[float | None]] = {k: [] for k in names}
@@ -296,7 +287,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "refit": engine.refit_info,  # zb-h1, zb-v: the order refitted to measured costs
             }
             engine.close()
-        every = _gather({"systems": mine, "fractions": fractions, "peaks": peaks})
+        every = gather({"systems": mine, "fractions": fractions, "peaks": peaks})
         slowest = {
             k: [max(r["systems"][k]["step_s"][i] for r in every) for i in range(len(batches))] for k in names
         }
@@ -368,7 +359,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
             rates = ", ".join(
                 f"{k} {spec['global_batch_size'] / statistics.median(v[w:]):.2f}" for k, v in slowest.items()
             )
-            _log(f"P={P} {name}: {rates} samples/s")
+            worker_log(f"P={P} {name}: {rates} samples/s")
     return results
 
 

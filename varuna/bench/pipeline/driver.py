@@ -1,6 +1,6 @@
 """`varuna bench pipeline`: Varuna's schedules against torch.distributed.pipelining and one process.
 
-    python -m varuna.bench pipeline --json          # ~7 min on 2 cores; one JSON object on stdout
+    python -m varuna.bench pipeline --json          # one JSON object on stdout
     python -m varuna.bench pipeline --quick         # tiny model, a few steps: a smoke run
 
 Every system trains the same GPT (same seed, same initial weights) on the same global batches,
@@ -25,15 +25,15 @@ untied copy, and `model.torch_pipelining_head` says so.)
 
 A step is timed from a barrier to the end of the optimizer step, on every rank; its time is the
 slowest rank's. samples/s = global batch / median timed step. Processes are reused: one job per P
-runs every system and schedule (one start-up per P); rank 0 writes the job's results as JSON into
-a temporary folder that this module collects. In a job the two systems alternate step by step at
-the same schedule: this host's speed drifts by tens of percent over minutes, and each pair's ratio
-cancels that; `paired.varuna_over_torch_pipelining` gives the median pair ratio (torch step /
-Varuna step: above 1, Varuna is faster) with a 90% bootstrap interval. At the smallest P (the
-comparison the targets are about) the one-process baseline runs in the same rounds (on rank 0,
-the other ranks waiting), so each pipeline's share of its ideal is measured against the host as
-it was at that time (`paired.of_bubble_ideal`). The schedules torch.pipelining lacks (eager-1F1B,
-Varuna's own) run in the same job, unpaired.
+runs every system and schedule (one start-up per P); rank 0 writes the job's results as JSON into a
+temporary folder that this module collects. In a job the two systems alternate step by step at the
+same schedule: a shared host's speed drifts over minutes, and each pair's ratio cancels that;
+`paired.varuna_over_torch_pipelining` gives the median pair ratio (torch step / Varuna step: above
+1, Varuna is faster) with a 90% bootstrap interval. At the smallest P (the comparison the targets
+are about) the one-process baseline runs in the same rounds (on rank 0, the other ranks waiting), so
+each pipeline's share of its ideal is measured against the host as it was at that time
+(`paired.of_bubble_ideal`). The schedules torch.pipelining lacks (eager-1F1B, Varuna's own) run in
+the same job, unpaired.
 
 After each schedule's timed steps every system runs one more, untimed, in which each rank measures
 how far its resident memory rises above where the step began (`step_peak_bytes_per_stage`: the
@@ -51,7 +51,7 @@ the busiest rank's main-thread CPU seconds per step (no order of that work, idle
 beat it at these boundaries) and over the ranks' mean (nor with perfectly balanced stages), and
 that mean with the fill added (a later rank cannot start before the earlier ones forwarded the
 first micro-batch: the most any order and balance of that work could reach); see
-`varuna.bench._pipeline_report.compute_ceilings`. A schedule's measured ratio over torch's 1F1B
+`varuna.bench.pipeline.report.compute_ceilings`. A schedule's measured ratio over torch's 1F1B
 can approach its ceiling only as far as its fill, drain and waiting allow.
 """
 
@@ -60,8 +60,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,18 +67,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from varuna.bench import bench_env, log, print_report, require_positive
-from varuna.bench._pipeline_report import (
-    compute_ceilings,
-    compute_ratios,
-    format_table,
-)
+from varuna.bench import log, print_report, require_positive
+from varuna.bench.common import run_job
+from varuna.bench.pipeline.report import compute_ratios, format_table
 from varuna.errors import ConfigError, LaunchError
 
-__all__ = ["PipelineBench", "full", "quick", "run", "compute_ratios", "compute_ceilings", "format_table"]
+__all__ = ["PipelineBench", "full", "quick", "run", "main"]
 
-_ROOT = Path(__file__).resolve().parents[2]
-_WORKER = "varuna.bench._pipeline_worker"
+_WORKER = "varuna.bench.pipeline.worker"
 VARUNA_SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1", "interleaved-1f1b", "zb-v")
 TORCH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 
@@ -161,8 +155,8 @@ def full() -> PipelineBench:
     8 micro-batches, P = 2 and 4."""
     from varuna.models import gpt_bench
 
-    # 6 schedules x 3 systems at P = 2 and 5 x 2 at P = 4 in 6.5-7.5 minutes on 2 cores (8 pairs and 3
-    # steps at P = 4 took 463-505 s on a slow day: over the 8 minutes the issue allows)
+    # fewer timed steps than the defaults: the whole run stays within the 8 minutes the issue allows
+    # on 2 cores (docs/benchmarks/pipeline.md has its run times)
     return PipelineBench(model=asdict(gpt_bench()) | UNTIED, paired_steps=7, steps=2)
 
 
@@ -183,48 +177,6 @@ def quick() -> PipelineBench:
 
 
 # ---------------------------------------------------------------------------------------- jobs
-
-
-def _log(msg: str) -> None:
-    log(msg)
-
-
-def _env() -> dict[str, str]:
-    return bench_env(60)
-
-
-def _run_job(name: str, cmd: list[str], timeout_s: float, log: Path) -> None:
-    """Run one job to completion, or raise LaunchError naming `name` with the end of its output."""
-    t0 = time.perf_counter()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=_env(),
-            cwd=_ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code: int | str = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            # `varuna run` stops its ranks on SIGTERM; SIGKILL the session if it does not.
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            code = f"timeout after {timeout_s:g} s"
-    text = log.read_text(errors="replace")
-    if code != 0:
-        tail = "\n".join(text.splitlines()[-40:])
-        raise LaunchError(f"benchmark job {name} failed ({code}); its log: {log}; the end of it:\n{tail}")
-    for line in text.splitlines():
-        if "[bench]" in line:
-            print(line, file=sys.stderr)
-    _log(f"{name}: done in {time.perf_counter() - t0:.1f} s")
 
 
 def _job(bench: PipelineBench, tmp: Path, pipeline: int, *, single: bool) -> list[dict[str, Any]]:
@@ -255,9 +207,9 @@ def _job(bench: PipelineBench, tmp: Path, pipeline: int, *, single: bool) -> lis
     cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(pipeline), "--data", "1"]
     cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{bench.job_timeout_s:g}"]
     cmd += ["-m", _WORKER, str(spec_path)]
-    _log(f"{name}: starting")
+    log(f"{name}: starting")
     # The outer limit only backs up `varuna run --timeout` (and the worker's own hang dump).
-    _run_job(name, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
+    run_job(name, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
     if not out.exists():
         raise LaunchError(
             f"benchmark job {name} exited 0 but wrote no results ({out}); see {tmp / (tag + '.log')}"

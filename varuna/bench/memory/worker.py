@@ -1,10 +1,10 @@
 """One rank of the memory benchmark: a Llama built on the meta device, this rank's stage made real.
 
-    varuna run --pipeline P -m varuna.bench._memory_worker SPEC.json
+    varuna run --pipeline P -m varuna.bench.memory.worker SPEC.json
 
-SPEC.json (written by `varuna.bench.memory`) names the system, the `transformers.LlamaConfig`, the
-weights folder (or none: the engine's seeded init), the batch shape, the steps and the output
-folder. Every rank measures the same way, whatever the system:
+SPEC.json (written by `varuna.bench.memory.driver`) names the system, the
+`transformers.LlamaConfig`, the weights folder (or none: the engine's seeded init), the batch shape,
+the steps and the output folder. Every rank measures the same way, whatever the system:
 
     imports, torch.distributed up          (the process as any rank has it before the model)
     gc, malloc_trim, VmHWM reset           baseline = VmRSS

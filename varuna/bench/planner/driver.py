@@ -1,6 +1,6 @@
 """`varuna bench planner`: the planner's predicted step time against the measured one.
 
-    python -m varuna.bench planner --json        # ~8-9 min on 2 cores; one JSON object on stdout
+    python -m varuna.bench planner --json        # one JSON object on stdout
     python -m varuna.bench planner --quick       # tiny model, one round: a smoke run of every path
 
     1. profile   one 4-rank job runs `varuna.profile.measure.run_profile` on a GPT (per-segment compute and
@@ -15,11 +15,10 @@
                  of its round whose per-segment compute at the configuration's micro-batch size is
                  the mean of two profiles (`varuna.profile.measure.profile_model`) taken right before and
                  right after the configuration runs (on 2 cores, ranks 0 and 1 profiling at once,
-                 rank 0's times over the round's 2-rank slowdown). This host's speed drifts by 10-40% over minutes even with nothing else
-                 running in the VM (seen here: the model's forward+backward profiled at 0.094,
-                 0.108 and 0.132 s within four minutes of one run, and 1.53 against 1.80 s for the
-                 same 30 passes ten seconds apart), so a profile taken minutes before a
-                 measurement describes another machine; one taken just before describes the same.
+                 rank 0's times over the round's 2-rank slowdown). A shared host's speed drifts
+                 over minutes even with nothing else running in its VM, so a profile taken minutes
+                 before a measurement describes another machine; one taken just before describes
+                 the same.
                  `predicted_s_round_profile` is the prediction without the refresh,
                  `predicted_s_first_profile` the start-of-run profile's.
 
@@ -30,12 +29,12 @@ configuration over the measured-best, minus 1), and against the issue's targets 
 asserted): mean |error| <= 10%, max <= 20%, spearman >= 0.8, best_gap <= 0.05.
 
 measured_s is the median of the timed steps of a configuration's undisturbed rounds (the slowest
-rank's time per step), predicted_s the median of those rounds' predictions. The host is shared, so
-a round (or a profile) during which other processes kept cores busy is measured again (see
-`_planner_worker`). Every
-configuration lists its rounds with the foreign load seen, and `disturbed` counts those kept
-disturbed. 4 ranks on 2 cores oversubscribe: the profile measures how much slower compute runs
-with n ranks busy and the simulator shares the cores among busy stages (`varuna.planner.simulator.Sharing`).
+rank's time per step), predicted_s the median of those rounds' predictions. The host is shared, so a
+round (or a profile) during which other processes kept cores busy is measured again (see
+`varuna.bench.planner.worker`). Every configuration lists its rounds with the foreign load seen, and
+`disturbed` counts those kept disturbed. 4 ranks on 2 cores oversubscribe: the profile measures how
+much slower compute runs with n ranks busy and the simulator shares the cores among busy stages
+(`varuna.planner.simulator.Sharing`).
 """
 
 from __future__ import annotations
@@ -54,14 +53,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from varuna.bench import log, print_report, require_positive
-from varuna.bench._planner_worker import foreign_cores, host_busy_s, wait_quiet
-from varuna.bench.pipeline import _run_job
+from varuna.bench.common import run_job
+from varuna.bench.planner.load import foreign_cores, host_busy_s, wait_quiet
 from varuna.errors import ConfigError, LaunchError
 from varuna.schedule import ScheduleName, schedule_spec
 
-__all__ = ["PlannerBench", "full", "quick", "run", "spearman", "summarize", "format_table"]
+__all__ = ["PlannerBench", "full", "quick", "run", "spearman", "summarize", "format_table", "main"]
 
-_WORKER = "varuna.bench._planner_worker"
+_WORKER = "varuna.bench.planner.worker"
 TARGETS = {"mean_abs_error": 0.10, "max_abs_error": 0.20, "spearman": 0.8, "best_gap": 0.05}
 SHAPES = ((1, 2), (2, 1), (2, 2), (4, 1))
 
@@ -88,9 +87,9 @@ class PlannerBench:
     """Timed steps per round."""
     rounds: int = 5
     """Rounds per configuration, interleaved over the configurations of a job. One round's
-    prediction against its measurement moves by +-10-20% on this host (the bracketing profiles and
-    the steps a minute apart); the median of 5 independent rounds spreads about sqrt(3/5) = 0.77
-    times as much as that of 3."""
+    prediction against its measurement moves with the host's drift (the bracketing profiles and the
+    steps a minute apart); the median of 5 independent rounds spreads about sqrt(3/5) = 0.77 times as
+    much as that of 3."""
     profile_repeats: int = 5
     """Timed passes per micro-batch size in the profile."""
     max_foreign: float = 0.15
@@ -123,7 +122,7 @@ class PlannerBench:
         and schedule, where two schedules that run the very same actions (at P=1, 1F1B and
         Varuna's: F B per micro-batch on the one stage) count once, under the first; measuring
         one job twice under two names would score the host's noise as the planner's error."""
-        from varuna.planner.search import _runs_as
+        from varuna.planner.search import runs_as
 
         out, seen = [], set()
         for P, D in self.shapes:
@@ -134,7 +133,7 @@ class PlannerBench:
                         P,
                         D,
                         m,
-                        _runs_as(cast(ScheduleName, s), P, M, schedule_spec(s).recompute and P > 1),
+                        runs_as(cast(ScheduleName, s), P, M, schedule_spec(s).recompute and P > 1),
                     )
                     if same not in seen:
                         seen.add(same)
@@ -261,7 +260,7 @@ def _job(bench: PlannerBench, tmp: Path, tag: str, world: int, spec: dict[str, A
     cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{bench.job_timeout_s:g}"]
     cmd += ["-m", _WORKER, str(spec_path)]
     busy, own, t0 = host_busy_s(), _children_cpu_s() + time.process_time(), time.perf_counter()
-    _run_job(tag, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
+    run_job(tag, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
     own = _children_cpu_s() + time.process_time() - own
     return foreign_cores(busy, host_busy_s(), own, time.perf_counter() - t0)
 
@@ -471,9 +470,9 @@ def _yes(ok: bool) -> str:
 
 def main(args: Any) -> int:
     """Entry of `python -m varuna.bench planner`; `args` has `json`, `quick` and `scale`
-    (`varuna.bench._plan_scale`: plan times at 8..1024 GPUs, no jobs run)."""
+    (`varuna.bench.planner.scale`: plan times at 8..1024 GPUs, no jobs run)."""
     if getattr(args, "scale", False):
-        from varuna.bench._plan_scale import scale_report
+        from varuna.bench.planner.scale import scale_report
 
         report = scale_report(quick=args.quick)
         return print_report(report, report.pop("table"), args.json)

@@ -1,0 +1,116 @@
+"""What several benchmarks share beyond `varuna.bench`'s helpers.
+
+    run_job          a `varuna run` job to completion, or a LaunchError with the end of its log
+                     (the pipeline and planner benches)
+    LR, SEED, ...    the training of the benches' GPT workers: the model, the batches, the learning
+    build_model      rate, a log line, an all-gather (the pipeline and telemetry workers)
+    global_batches
+    gather
+    worker_log
+
+The workers' helpers import torch when called, so that a bench's parent process, which imports
+this module too, stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from varuna.bench import ROOT, bench_env, log
+from varuna.errors import LaunchError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from varuna.models import GPT
+
+__all__ = ["run_job", "LR", "SEED", "DATA_SEED", "worker_log", "build_model", "global_batches", "gather"]
+
+LR = 1e-4
+SEED = 0
+DATA_SEED = 0
+
+
+# ------------------------------------------------------------------------------------ the parent
+
+
+def run_job(name: str, cmd: list[str], timeout_s: float, log_path: Path) -> None:
+    """Run one job to completion, or raise LaunchError naming `name` with the end of its output.
+
+    The job's output goes to `log_path`; its `[bench]` lines (`worker_log`) are echoed on stderr.
+    """
+    t0 = time.perf_counter()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env=bench_env(60),
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code: int | str = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            # `varuna run` stops its ranks on SIGTERM; SIGKILL the session if it does not.
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            code = f"timeout after {timeout_s:g} s"
+    text = log_path.read_text(errors="replace")
+    if code != 0:
+        tail = "\n".join(text.splitlines()[-40:])
+        raise LaunchError(
+            f"benchmark job {name} failed ({code}); its log: {log_path}; the end of it:\n{tail}"
+        )
+    for line in text.splitlines():
+        if "[bench]" in line:
+            print(line, file=sys.stderr)
+    log(f"{name}: done in {time.perf_counter() - t0:.1f} s")
+
+
+# ----------------------------------------------------------------------------------- the workers
+
+
+def worker_log(msg: str) -> None:
+    """A `[bench]` line on a worker's stderr, which `run_job` echoes."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def build_model(cfg: dict[str, Any]) -> GPT:
+    """The GPT of `cfg` (keyword arguments of `GPTConfig`), seeded: the same weights on every rank."""
+    import torch
+
+    from varuna.models import GPT, GPTConfig
+
+    torch.manual_seed(SEED)
+    return GPT(GPTConfig(**cfg))
+
+
+def global_batches(spec: dict[str, Any]) -> list[dict[str, Tensor]]:
+    """The global batches of steps 0 .. warmup+steps-1, made before any timing starts."""
+    from varuna.data import SyntheticLM, collate, global_indices
+
+    cfg, B = spec["model"], spec["global_batch_size"]
+    steps = spec["warmup"] + spec["steps"]
+    ds = SyntheticLM(cfg["vocab_size"], cfg["seq_len"], max(B * steps, 1024), seed=DATA_SEED)
+    return [collate([ds[i] for i in global_indices(s, B, len(ds))]) for s in range(steps)]
+
+
+def gather(obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order (an all-gather of picklable objects)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
