@@ -80,9 +80,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="ask a running job to checkpoint and relaunch as a new P x D",
         description="Queue a new shape for the job in RUN_DIR and signal it to morph at the end of its step.",
     )
-    resize.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    resize.add_argument("--pipeline", "-p", type=int, metavar="P")
-    resize.add_argument("--data", "-d", type=int, metavar="D")
+    resize.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running job's run directory")
+    resize.add_argument("--pipeline", "-p", type=int, metavar="P", help="the new pipeline depth")
+    resize.add_argument(
+        "--data", "-d", type=int, metavar="D", help="the new number of data-parallel replicas"
+    )
     resize.add_argument(
         "--gpus",
         type=int,
@@ -250,7 +252,12 @@ def _add_profile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     profile.add_argument("--hostfile", type=Path, metavar="FILE", help="hosts to run on (MPI hostfile)")
     profile.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds")
     profile.add_argument("-m", dest="module", metavar="MODULE", help="profile a module, as `python -m`")
-    profile.add_argument("target", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
+    profile.add_argument(
+        "target",
+        nargs=argparse.REMAINDER,
+        metavar="script.py [args ...]",
+        help="the training script and its arguments, as `varuna run` takes them",
+    )
 
 
 def _profile(args: argparse.Namespace) -> int:

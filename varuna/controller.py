@@ -8,6 +8,9 @@
     ctl.stop(); ctl.resume()        # ... and later relaunch from checkpoints/latest
     JobController.attach("runs/x")  # after a kernel restart: full control again, and the live view
     ctl.silent_ranks()              # ranks not heard from for silent_after_s (default 10 s): host, last action
+    ctl.stragglers()                # [{"rank": 3, "host": "node7", "ratio": 1.9, "steps": [4, 5, 6], ...}]
+    ctl.compute_grid()              # rank x step compute seconds, hosts: the workbench's heatmap
+    ctl.exclude_host("node7")       # relaunch without node7: a resize to the shape its other hosts fit
 
 The job does not live in this process: `start` hands it to its own supervisor process
 (`varuna.elastic.agent`), which runs mpiexec in a session of its own and relaunches after morphs, so a
@@ -18,7 +21,9 @@ to loopback, or when the hostfile names other hosts to the address routing towar
 says otherwise; see varuna.telemetry.events). The key reaches the agent and the ranks in their environment
 only, kept for `attach` in controller.json (0600). A thread notes `rank_silent`/`rank_back` as ranks'
 heartbeats stop and resume (varuna.telemetry.heartbeat); another `host_dead` when every rank of a host
-went silent, and the agent relaunches without it (varuna.elastic.hosts; `error` names the host). No Jupyter here.
+went silent, and the agent relaunches without it (varuna.elastic.hosts; `error` names the host). Stragglers
+are detected in the launcher (`varuna.telemetry.straggler_watch`), which records its events in
+``RUN_DIR/events/stragglers.jsonl``; the controller reads them into its store. No Jupyter here.
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ from typing import Any, Literal
 
 import zmq
 
-from varuna._controller_stragglers import StragglerControl
 from varuna.elastic import agent as _agent
 from varuna.elastic.agent import legacy_state
 from varuna.elastic.hosts import HostWatch, controller_interface, host_down
 from varuna.elastic.protocol import request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
-from varuna.errors import ConfigError, LaunchError
+from varuna.errors import ConfigError, LaunchError, check_int
+from varuna.launch.exclude import write_without
 from varuna.launch.job import Job
 from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
 from varuna.launch.pids import check_status
@@ -48,6 +53,8 @@ from varuna.telemetry.channel import Channel
 from varuna.telemetry.heartbeat import DEFAULT_SILENT_AFTER_S, Liveness, SilentRank, watch_silence
 from varuna.telemetry.settings import check_settings
 from varuna.telemetry.store import EventStore, StoreViews
+from varuna.telemetry.straggler_watch import LOG as STRAGGLER_LOG
+from varuna.telemetry.stragglers import ComputeGrid, compute_grid
 
 __all__ = ["JobController", "JobState", "DeadRank", "LaunchView", "SilentRank"]
 
@@ -55,7 +62,7 @@ JobState = Literal["starting", "running", "checkpointing", "morphing", "stopped"
 TERMINAL = ("stopped", "failed", "finished")
 
 
-class JobController(StoreViews, StragglerControl):
+class JobController(StoreViews):
     """One job's controller; make it with `start` or `attach`."""
 
     def __init__(
@@ -84,6 +91,7 @@ class JobController(StoreViews, StragglerControl):
         self._overlay: tuple[str, str | None] | None = None  # ("morphing", from job) / ("checkpointing", job)
         self._notes = FileTail(self.run_dir / _agent.NOTES)
         self._console_log = FileTail(self.run_dir / "logs" / "console.log")
+        self._straggler_log = FileTail(self.run_dir / STRAGGLER_LOG)
         self._reconciled: set[str] = set()
         self._legacy: JobState | None = None  # a run without an agent (`varuna run`): attach only
         self.error: str | None = None
@@ -237,8 +245,7 @@ class JobController(StoreViews, StragglerControl):
             hostfile=hostfile,
             timeout_s=timeout_s,
         )
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ConfigError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+        check_int(max_restarts, "max_restarts", minimum=0)
         self = cls(run_dir, interface=interface, silent_after_s=silent_after_s)
         self._bind(hostfile=hostfile)
         spec = {
@@ -480,9 +487,11 @@ class JobController(StoreViews, StragglerControl):
         """Relaunch a stopped or failed job from `checkpoint` ("latest" or a checkpoint directory),
         in its last shape unless `pipeline`/`data` (positive integers) say otherwise."""
         for name, value in (("pipeline", pipeline), ("data", data)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(
-                    f"resume({name}=...) takes a positive integer or None (the last shape), got {value!r}"
+            if value is not None:
+                check_int(
+                    value,
+                    name,
+                    message=f"resume({name}=...) takes a positive integer or None (the last shape), got {value!r}",
                 )
         if not isinstance(checkpoint, (str, Path)):
             raise ConfigError(
@@ -510,6 +519,51 @@ class JobController(StoreViews, StragglerControl):
         `varuna.telemetry.settings.SETTINGS`); checked here first, a ConfigError before anything is sent."""
         self._send("set", **check_settings(options))
 
+    # stragglers ----------------------------------------------------------------------------------
+    def _straggler_events(self) -> None:
+        for line in self._straggler_log.lines():
+            try:
+                self.store.add(json.loads(line))
+            except ValueError:
+                continue
+
+    def stragglers(self) -> list[dict[str, Any]]:
+        """The ranks of the current launch flagged as stragglers now (their last ``straggler`` event:
+        rank, host, stage, replica, ratio, steps), by rank; `varuna.telemetry.stragglers` says how."""
+        self._straggler_events()
+        job = self.job
+        if job is None:
+            return []
+        flagged: dict[int, dict[str, Any]] = {}
+        for event in self.store.events(job=job.job_id):
+            if event["type"] == "straggler":
+                flagged[event["rank"]] = event
+            elif event["type"] == "straggler_gone":
+                flagged.pop(event["rank"], None)
+        return [flagged[r] for r in sorted(flagged)]
+
+    def compute_grid(self, last_steps: int = 50) -> ComputeGrid:
+        """Each rank's compute seconds for the last steps of the newest launch, with its host."""
+        return compute_grid([*self.store.events("hello"), *self.store.step_events()], last_steps=last_steps)
+
+    def exclude_host(self, host: str) -> str:
+        """Relaunch the running job without `host`: its hostfile minus that host, in the shape
+        `shape_for` gives the slots left (same global batch), through the morph protocol (checkpoint,
+        stop, relaunch from the checkpoint). Noted as an ``exclude_host`` event; returns the state."""
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"exclude_host() takes a host name as in the hostfile, got {host!r}")
+        self._running_launch("exclude_host")
+        hostfile = json.loads((self.run_dir / "job.json").read_text()).get("hostfile")  # the running launch's
+        if hostfile is None:
+            raise ConfigError(
+                "exclude_host(): this job was started without a hostfile, so it runs on this host only; "
+                "start it with hostfile= to run on several hosts"
+            )
+        path, slots = write_without(self.run_dir, Path(hostfile), host)
+        self._note("exclude_host", host=host, hostfile=str(path), slots=slots)
+        return self.resize(gpus=slots)  # the shape `shape_for(slots)` gives, noted as "resize_plan"
+
+    # ---------------------------------------------------------------------------------------------
     def _running_launch(self, what: str) -> LaunchView:
         job, state = self.job, self.state
         if job is None or job.code is not None or state in TERMINAL or self._legacy is not None:

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_int
 
 __all__ = [
     "sample_indices",
@@ -87,10 +87,10 @@ def _generator(*parts: int) -> torch.Generator:
 
 def _check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     """`value` as an int, or ConfigError naming the setting when it is not an int >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{name} must be an integer (got {value!r} of type {type(value).__name__})")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum} (got {value})")
+    if minimum is not None:
+        check_int(value, name, minimum=minimum, message=f"{name} must be >= {minimum} (got {value})")
     return value
 
 

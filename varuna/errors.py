@@ -5,6 +5,8 @@ Each message says what was expected, what was given, and which setting to change
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
     "VarunaError",
     "ConfigError",
@@ -13,6 +15,9 @@ __all__ = [
     "LaunchError",
     "CheckpointError",
     "MemoryLimitError",
+    "check_int",
+    "check_number",
+    "is_int",
 ]
 
 
@@ -47,3 +52,56 @@ class CheckpointError(VarunaError, RuntimeError):
 class MemoryLimitError(ConfigError):
     """A stage's estimated peak memory is over the memory this rank has: refused before anything
     large is allocated (`varuna.engine.preflight`)."""
+
+
+def is_int(value: object) -> bool:
+    """Whether `value` is an integer as an option means it: an int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(
+    value: object,
+    name: str,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+    error: type[VarunaError] = ConfigError,
+    message: str | None = None,
+) -> int:
+    """The one check of an integer option: `value` if it is an int (not a bool, not a string) from
+    `minimum` to `maximum`; else `error` with `message`, or a message naming `name`, the range and
+    what was given.
+
+        check_int(keep, "checkpoint_keep")                # "checkpoint_keep must be a positive integer, got 0"
+        check_int(n, "--gpus", minimum=2, message=f"--gpus {n!r}: profiling the network needs at least 2 ranks")
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= minimum and (maximum is None or value <= maximum):
+            return value
+    if message is None:
+        if maximum is not None:
+            wanted = f"an integer from {minimum} to {maximum}"
+        else:
+            wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        message = f"{name} must be {wanted}, got {value!r}"
+    raise error(message)
+
+
+def check_number(
+    value: object,
+    name: str,
+    *,
+    above: float = 0.0,
+    error: type[VarunaError] = ConfigError,
+    message: str | None = None,
+) -> float:
+    """The one check of a real-valued option: `value` as a float if it is an int or float (not a
+    bool), finite and greater than `above`; else `error` with `message`, or a message naming `name`."""
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > above
+    ):
+        return float(value)
+    raise error(message or f"{name} must be a number > {above:g}, got {value!r}")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from varuna.cut.cutpoint import CutPoint
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_int
 
 __all__ = [
     "GPTConfig",
@@ -50,8 +50,7 @@ def _check_shape_fields(
         ("n_layer", n_layer),
         ("n_head", n_head),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name}.{field} must be a positive integer (got {value!r})")
+        check_int(value, field, message=f"{name}.{field} must be a positive integer (got {value!r})")
     if d_model % n_head != 0:
         raise ConfigError(
             f"{name}.d_model must be divisible by n_head (d_model: {d_model}, n_head: {n_head}); "

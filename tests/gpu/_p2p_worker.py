@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from varuna.comm.links import pair_link
+from varuna.comm.groups import pair_link
 from varuna.comm.p2p import P2P
 
 STEPS, MICRO = 5, 4

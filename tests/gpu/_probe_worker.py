@@ -8,7 +8,7 @@ costs only that). Every case moves known values and checks them exactly; each ra
 OUT/probe-rank{r}.json. The cases, from the simplest:
 
 - one-group:  rank 0 sends to rank 1 and back, on one new group (one communicator);
-- two-groups: one group per direction, warmed in one order (`varuna.comm.links.warm`), used one
+- two-groups: one group per direction, warmed in one order (`varuna.comm.groups.warm`), used one
               after the other (each operation finished on the device before the next is posted);
 - batched:    one group, each round's send and receive posted together (`batch_isend_irecv`, as
               torch.distributed.pipelining does) and finished before the next round;
@@ -19,7 +19,7 @@ OUT/probe-rank{r}.json. The cases, from the simplest:
               with an early gradient receive has;
 - both-early: rank 1 also posts its next receive on the first group before it sends on the
               second (what the runtime does every micro-batch);
-- link:       `varuna.comm.links.pair_link`'s P2P, 2 steps x 3 micro-batches, every header
+- link:       `varuna.comm.groups.pair_link`'s P2P, 2 steps x 3 micro-batches, every header
               receive posted at the start of a step (as the runtime does);
 - serial:     `varuna.comm.serial`'s links (the engine's on NCCL): one group, each new batch
               shape probed first, sends batched with the next receive, the same 2 steps x 3
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from varuna.comm.links import pair_link, warm
+from varuna.comm.groups import pair_link, warm
 from varuna.comm.serial import Courier, SerialLink, replica_group
 
 CASES = ("one-group", "two-groups", "batched", "recv-barrier", "early-recv", "both-early", "link", "serial")

@@ -1,5 +1,5 @@
 """The multihost tier: `varuna run` jobs whose ranks run on hosts made of Linux network namespaces
-(`netns_hosts.NetnsHosts`). Needs root and iproute2; every test here is skipped, with the reason, where
+(`varuna.bench.netns.NetnsHosts`). Needs root and iproute2; every test here is skipped, with the reason, where
 namespaces cannot be made."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from _helpers import REPO
-from netns_hosts import NetnsHosts, unavailable
+
+from varuna.bench.netns import NetnsHosts, unavailable
 
 
 @pytest.fixture(scope="session")

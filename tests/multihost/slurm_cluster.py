@@ -4,7 +4,7 @@
     subprocess.run(cluster.client(["salloc", "-n2", "--", ...]), env=cluster.env(os.environ))
     cluster.down()                       # every daemon, allocation and task of it killed; files removed
 
-With `nodes` and `on_host` it is a cluster of namespace hosts (`netns_hosts.NetnsHosts`): slurmctld runs
+With `nodes` and `on_host` it is a cluster of namespace hosts (`varuna.bench.netns.NetnsHosts`): slurmctld runs
 on the first, a slurmd on each (so each node's tasks live in its network stack and carry its name), and
 clients run on the first too; munged serves them all through its socket (a path, seen from every namespace).
 

@@ -13,17 +13,17 @@ import subprocess
 import sys
 
 import pytest
-from netns_hosts import NETNS_ETC, SUBNET, NetnsHosts, remove_stale, unavailable
 
-from varuna.comm.addresses import _addresses as addresses_here
+from varuna.bench.netns import NETNS_ETC, SUBNET, NetnsHosts, remove_stale, unavailable
+from varuna.comm.addresses import interface_addresses as addresses_here
 from varuna.comm.addresses import network_stack
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(120)]
 
 WHO = """
 import json, socket
-from varuna.comm.addresses import _addresses, network_stack
-print(json.dumps({"name": socket.gethostname(), "stack": network_stack(), "addresses": _addresses(),
+from varuna.comm.addresses import interface_addresses, network_stack
+print(json.dumps({"name": socket.gethostname(), "stack": network_stack(), "addresses": interface_addresses(),
                   "others": {h: socket.gethostbyname(h) for h in ("h1", "h2", "h3")}}))
 """
 

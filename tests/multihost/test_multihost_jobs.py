@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from _helpers import REPO, SCRIPTS
-from netns_hosts import NetnsHosts
+
+from varuna.bench.netns import NetnsHosts
 
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import reference  # noqa: E402

@@ -7,7 +7,7 @@ here, as root, for this module; `slurm_cluster.SlurmCluster`).
 - A shape beyond the allocation is refused before anything starts.
 - A rank that fails takes the step down (srun --kill-on-bad-exit) and is named first; a SIGTERM to
   `varuna run` reaches the ranks (scancel), which checkpoint before they stop.
-- Two nodes: a Slurm of three namespace hosts (`netns_hosts`, a slurmd in each): a 2-node allocation runs
+- Two nodes: a Slurm of three namespace hosts (`varuna.bench.netns`, a slurmd in each): a 2-node allocation runs
   one stage per node, its ranks meet over the hosts' subnet, and the losses equal plain training.
 """
 
@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 from _helpers import REPO, SCRIPTS
-from netns_hosts import NetnsHosts
 from slurm_cluster import SlurmCluster, slurm_unavailable
+
+from varuna.bench.netns import NetnsHosts
 
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import reference  # noqa: E402

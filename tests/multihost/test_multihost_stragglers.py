@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 from _helpers import REPO, SCRIPTS
-from netns_hosts import NetnsHosts
 
+from varuna.bench.netns import NetnsHosts
 from varuna.telemetry.events import read_events
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]

@@ -134,6 +134,7 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
         if schedule.endswith(EVERY_W):  # the paper's zb-h1: every backward after stage 0 split
             assert r["weights"] == (r["microbatches"] if r["stage"] > 0 else 0)
     _check_refit(results, schedule, P)
+    _check_overlap(results, D, schedule)
     if schedule in ("1f1b", "eager-1f1b", "zb-h1"):  # activations held: 1F1B's P - s; eager-1F1B one
         # more at most (whether it takes that one depends on when gradients arrive: test_comm_jobs
         # checks it pulls); zb-h1 up to P on later stages (its W's), its first stage P + 1 (pulls)
@@ -144,6 +145,21 @@ def test_equals_plain_training(runs, references, world, P, D, kind, schedule) ->
         }
         held = [(r["stage"], r["peak_held"]) for r in results]
         assert all(h <= most[s] for s, h in held), (held, most)
+
+
+def _check_overlap(results: list[dict], D: int, schedule: str) -> None:
+    """With replicas, every gradient bucket's all-reduce starts before the schedule's ALLREDUCE
+    (`EngineConfig.overlap_allreduce`), except on serial links (NCCL's just-in-time path), which
+    start them all there; where a stage's last backward is whole (stage 0 of gpipe and 1f1b), buckets
+    start inside it, as their last gradients are accumulated."""
+    for r in results:
+        assert r["buckets"] > 1, r["buckets"]
+        if D == 1 or r["serial"]:
+            assert r["started_early"] == 0, r
+            continue
+        assert r["started_early"] == r["buckets"], r
+        if r["stage"] == 0 and schedule in ("gpipe", "1f1b"):
+            assert r["started_in_backward"] >= 1, r
 
 
 CHUNK_CASES = [
@@ -179,6 +195,7 @@ def test_two_chunks_per_rank_equal_plain_training(runs, world, P, D, uneven, kin
         if schedule.endswith(EVERY_W):  # the paper's zb-v: every backward after virtual stage 0 split
             assert r["weights"] == per_chunk * sum(1 for v in r["chunk_stages"] if v > 0)
     _check_refit(results, schedule, P)
+    _check_overlap(results, D, schedule)
 
 
 def _check_refit(results: list[dict], schedule: str, P: int) -> None:
@@ -233,6 +250,23 @@ def test_a_boundary_inside_a_block(runs, boundary) -> None:
 
 def test_clipping_by_the_global_norm(runs) -> None:
     _check_against(runs[4], "clip-rank*.pt", reference("gpt", clip=CLIP), 4)
+
+
+def test_gradients_all_reduced_in_bf16_are_close_not_equal(runs, references) -> None:
+    """allreduce_dtype="bf16" rounds each replica's gradient share to bfloat16 before the sum: the
+    parameters stay within bfloat16's precision of plain training's, and differ from them."""
+    ref_losses, ref_params = references["gpt"]
+    files = sorted(runs[4].glob("bf16-allreduce-rank*.pt"))
+    assert len(files) == 4
+    differ = 0
+    for f in files:
+        r = torch.load(f, weights_only=True)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-2, atol=0)
+        for name, value in r["params"].items():
+            expected = ref_params[name]
+            torch.testing.assert_close(value, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+            differ += not torch.allclose(value, expected, rtol=RTOL, atol=1e-7)
+    assert differ > 0
 
 
 def test_uneven_split_is_uneven(runs) -> None:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from transparency_common import GLOBAL_BATCH, MICRO_BATCH, MODELS, STEPS, build, dataset, optimizer  # noqa: E402
 
 from varuna import Varuna  # noqa: E402
-from varuna.comm.addresses import _addresses, network_stack  # noqa: E402
+from varuna.comm.addresses import interface_addresses, network_stack  # noqa: E402
 from varuna.comm.rendezvous import launch_env  # noqa: E402
 from varuna.data import collate  # noqa: E402
 
@@ -50,7 +50,7 @@ for kind in MODELS:
                 "replica": engine.rank // P,
                 "host": socket.gethostname(),
                 "stack": network_stack(),
-                "address": _addresses().get("eth0"),
+                "address": interface_addresses().get("eth0"),
                 "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
             },
             tag / f"rank{engine.rank}.pt",

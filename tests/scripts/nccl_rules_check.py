@@ -6,12 +6,12 @@
 Prints "RULES {json}" per rank with six cases:
 - shared: both directions on one group; rank 1 posts a receive for a second activation before it
   sends the gradient rank 0 waits for (as an early receive does): NCCL would hang, the rules raise.
-- split: the same on two groups (`varuna.comm.links`): it completes.
+- split: the same on two groups (`varuna.comm.groups`): it completes.
 - order: rank 0 sends A (tag 1) then B (tag 2); rank 1 posts B's receive first: with tags ignored
   it gets A's values (gloo alone would match by tag).
 - created: each rank's first operation is a receive on a group the other starts with a send on the
   other group (as an early gradient receive was): NCCL's creation would hang, the rules raise.
-- warmed: the same on groups made by `varuna.comm.links.warm` first: it completes.
+- warmed: the same on groups made by `varuna.comm.groups.warm` first: it completes.
 - batched: on one group, each rank's receive, then its send, posted as one batch
   (`batch_isend_irecv`): a batch's operations proceed together, so it completes where the same
   two posted one by one would hold each other back.
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from varuna.comm import nccl_rules
-from varuna.comm.links import warm
+from varuna.comm.groups import warm
 from varuna.comm.rendezvous import init_distributed
 
 rank, _ = init_distributed()

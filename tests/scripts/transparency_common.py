@@ -12,6 +12,7 @@ from varuna.data import SyntheticLM, SyntheticMLM, collate, global_indices
 from varuna.models import GPT, BertMLM, bert_tiny, gpt_tiny
 
 STEPS = 5
+BUCKET_MB = 0.02  # about 20 KB: a tiny model's stage still has several gradient buckets
 GLOBAL_BATCH = 16
 MICRO_BATCH = 2
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "varuna", "zb-h1")

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from transparency_common import (  # noqa: E402
+    BUCKET_MB,
     CHUNK_CONFIGS,
     CLIP,
     CONFIGS,
@@ -46,6 +47,7 @@ def engine_for(kind: str, P: int, D: int, **kw: object) -> tuple[Varuna, object]
         global_batch_size=GLOBAL_BATCH,
         micro_batch_size=MICRO_BATCH,
         example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
+        bucket_mb=BUCKET_MB,  # several buckets per stage: they start one by one as they are final
         **kw,  # type: ignore[arg-type]
     )
     return engine, data
@@ -81,6 +83,10 @@ for P, D, partition, kind, schedule in runs:
             "peak_held": peak_inflight(engine.last_times.spans) if engine.last_times is not None else 0,
             "microbatches": engine.config.num_microbatches,
             "refit": engine.refit_info,  # zb-h1, zb-v: the order refitted to measured costs
+            "buckets": len(engine._buckets.buffers),
+            "started_early": engine._buckets.started_early,  # the last step's, before its ALLREDUCE
+            "started_in_backward": engine._buckets.started_in_backward,
+            "serial": engine._courier is not None,
         },
         tag / f"rank{engine.rank}.pt",
     )
@@ -147,6 +153,14 @@ if world == 4:
     losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
     params = {n: p.detach().clone() for n, p in engine.named_parameters()}
     torch.save({"losses": losses, "params": params}, out / f"clip-rank{engine.rank}.pt")
+    engine.close()
+    # Gradients all-reduced as bfloat16 copies (`allreduce_dtype="bf16"`): close to plain training,
+    # not equal to it.
+    engine, data = engine_for("gpt", 2, 2, schedule="1f1b", allreduce_dtype="bf16")
+    engine.set_optimizer(optimizer(engine.parameters()))
+    losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
+    params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    torch.save({"losses": losses, "params": params}, out / f"bf16-allreduce-rank{engine.rank}.pt")
     engine.close()
     # Mixed precision at 2x2: bf16 and fp16 train; a provoked fp16 overflow skips everywhere.
     for precision in ("bf16", "fp16"):

@@ -28,15 +28,15 @@ def test_a_name_on_127_0_1_1_is_never_advertised(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("VARUNA_MASTER_ADDR", raising=False)
     monkeypatch.setattr(socket, "gethostname", lambda: "node7")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
-    monkeypatch.setattr(addresses, "_addresses", lambda: {"lo": "127.0.0.1", "ib0": "10.9.0.7"})
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: {"lo": "127.0.0.1", "ib0": "10.9.0.7"})
     assert outbound_ip(["node7"]) == "10.9.0.7"
-    monkeypatch.setattr(addresses, "_addresses", lambda: {"lo": "127.0.0.1"})
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: {"lo": "127.0.0.1"})
     with pytest.raises(LaunchError, match=r"host node7 has no address.*127\.0\.1\.1.*set VARUNA_MASTER_ADDR"):
         outbound_ip(["node7", "node8"])
 
 
 def test_gloo_interface_replaces_loopback_and_keeps_the_users_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(addresses, "_addresses", lambda: {"lo": "127.0.0.1", "eth3": "10.0.0.5"})
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: {"lo": "127.0.0.1", "eth3": "10.0.0.5"})
     monkeypatch.setattr(addresses, "interface_towards", lambda host: "eth3")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert choose_gloo_interface("10.0.0.1") == "eth3"

@@ -19,7 +19,7 @@ from torch import nn
 
 from varuna import auto_cut
 from varuna.cut.autocut import find_blocks
-from varuna.cut.cutpoint import CutPoint, _handling
+from varuna.cut.cutpoint import CutPoint, handling
 from varuna.cut.partition import make_partition, trace_model
 from varuna.errors import PartitionError
 from varuna.models import GPT, gpt_tiny
@@ -198,7 +198,7 @@ def test_a_tuple_block_gives_the_spliced_value_at_index_zero() -> None:
         def on_cut(self, cut: CutPoint, value: Any) -> Any:
             return received
 
-    with _handling(Splice()):
+    with handling(Splice()):
         out = model.transformer.h[0](torch.zeros(4, 16, 32))
     assert isinstance(out, tuple) and len(out) == 2
     assert out[0] is received and out[1].shape == (4, 16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from varuna.cut.cutpoint import CutPoint, _handling
+from varuna.cut.cutpoint import CutPoint, handling
 from varuna.cut.partition import trace_model
 from varuna.cut.standin import StandIn, origin_of, stand_in_context
 from varuna.errors import ConfigError, PartitionError
@@ -185,7 +185,7 @@ def test_the_model_runs_on_a_stand_in_and_the_loss_says_where_it_came_from(make:
     handler = _Replace(model.cuts[cut], stand_in)
     names = {id(p): n for n, p in model.named_parameters()}
     # A stand-in reaching a module whose parameters this stage trains is an error, naming both.
-    with _handling(handler), stand_in_context(1, f"cuts.{cut}", names):
+    with handling(handler), stand_in_context(1, f"cuts.{cut}", names):
         with pytest.raises(
             PartitionError,
             match=rf"on stage 1, \w+ with parameter 'blocks\.{cut + 1}\..*"
@@ -195,7 +195,7 @@ def test_the_model_runs_on_a_stand_in_and_the_loss_says_where_it_came_from(make:
     # Frozen (as on a stage that holds none of them), the model runs on it without data.
     model.requires_grad_(False)
     handler.seen.clear()
-    with _handling(handler):
+    with handling(handler):
         out = model(**batch)
     assert isinstance(out, StandIn) and out.shape == () and out.device == captured[0].device
     assert origin_of(out) == f"blocks.{cut}"
@@ -211,7 +211,7 @@ def test_only_the_activation_crosses_a_cut(make: object) -> None:
     model.cuts[1].register_forward_hook(lambda mod, inp, out: captured.append(out.detach().clone()))
     reference = model(**batch)
     received = captured[0].requires_grad_()
-    with _handling(_Replace(model.cuts[1], received)):
+    with handling(_Replace(model.cuts[1], received)):
         loss = model(**batch)
     torch.testing.assert_close(loss, reference)
     loss.backward()

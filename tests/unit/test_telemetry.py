@@ -141,7 +141,7 @@ def test_telemetry_off_and_span_sampling(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_engine_without_run_dir_or_controller_emits_nothing() -> None:
     engine = train(None, 1)
-    assert not engine._telemetry.enabled
+    assert not engine.observer.enabled
 
 
 def test_signed_events_and_a_checkpoint_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,7 +167,7 @@ def test_signed_events_and_a_checkpoint_command(tmp_path: Path, monkeypatch: pyt
         engine = train(tmp_path, 3, between)
         assert engine.last_checkpoint is not None and engine.last_checkpoint["step"] == 2
         assert (tmp_path / "checkpoints" / "step-00000002").is_dir()
-        assert not engine.stop_request and engine._telemetry.spans_every == 1
+        assert not engine.stop_request and engine.observer.spans_every == 1
         received = []
         while pull.poll(500):
             received.append(_events.decode(KEY, pull.recv_multipart()))
@@ -199,7 +199,7 @@ def test_paused_steps_record_nothing_and_set_pauses_from_the_next_step(
 
         def between(step: int, engine: Varuna) -> None:
             if step == 1:
-                engine._telemetry.paused = True  # steps 2 and 3
+                engine.observer.paused = True  # steps 2 and 3
             if step == 3:
                 time.sleep(0.3)  # let the SUB socket join
                 pub.send_multipart(command(cmd="set", paused=False))  # read in step 4
@@ -220,7 +220,7 @@ def test_paused_steps_record_nothing_and_set_pauses_from_the_next_step(
     finally:
         pub.close(linger=0)
     events = logged(tmp_path)
-    assert engine._telemetry.paused
+    assert engine.observer.paused
     # paused for steps 2-3 by the attribute, resumed in step 4 (it still ran paused), paused again in 5
     assert [e["step"] for e in events if e["type"] == "step_metrics"] == [0, 4]
     assert [e["step"] for e in events if e["type"] == "spans"] == [0, 4]
@@ -258,8 +258,8 @@ def test_a_bad_set_value_is_ignored_and_reported_not_fatal(
     assert engine.step_count == 4  # trained on
     # a warning on the "varuna" logger (pytest's log capture holds it here)
     assert "ignored the controller's set command: set(spans_every=...) takes an integer >= 1" in caplog.text
-    assert not engine._telemetry.paused  # the bad command changed nothing, not even its good part
-    assert engine._telemetry.spans_every == 2  # a good one after it still works
+    assert not engine.observer.paused  # the bad command changed nothing, not even its good part
+    assert engine.observer.spans_every == 2  # a good one after it still works
 
 
 def test_heartbeats_name_the_host_and_the_last_action_and_are_not_logged(
@@ -273,7 +273,7 @@ def test_heartbeats_name_the_host_and_the_last_action_and_are_not_logged(
         monkeypatch.setenv("VARUNA_HEARTBEAT_S", "0.05")
         engine = train(tmp_path, 2, lambda step: time.sleep(0.3))  # idle between steps: beats say so
         time.sleep(0.3)
-        engine._telemetry._last_beat()  # what atexit runs: no more beats, then "exited"
+        engine.observer._last_beat()  # what atexit runs: no more beats, then "exited"
         rx = _events.Receiver(KEY, _events.EVENT_FIELDS, "type")
         received = []
         while pull.poll(300):

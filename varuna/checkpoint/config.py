@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_int
 
 __all__ = ["CheckpointConfig"]
 
@@ -29,9 +29,7 @@ class CheckpointConfig:
     (`varuna.init_weights` gives a plain model the same values)."""
 
     def __post_init__(self) -> None:
-        keep = self.checkpoint_keep
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ConfigError(f"checkpoint_keep must be a positive integer, got {keep!r}")
+        check_int(self.checkpoint_keep, "checkpoint_keep")
         if self.weights is not None and not isinstance(self.weights, (str, Path)):
             raise ConfigError(
                 f"weights must be the path of a safetensors file or folder, got a {type(self.weights).__name__}; "

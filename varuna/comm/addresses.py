@@ -32,6 +32,7 @@ from pathlib import Path
 from varuna.errors import LaunchError
 
 __all__ = [
+    "interface_addresses",
     "network_stack",
     "outbound_ip",
     "interface_of",
@@ -73,7 +74,7 @@ def _route_from(address: str) -> str | None:
         return None
 
 
-def _addresses() -> dict[str, str]:
+def interface_addresses() -> dict[str, str]:
     """This host's interfaces and their IPv4 addresses (Linux; empty elsewhere)."""
     try:
         import fcntl
@@ -92,7 +93,7 @@ def _addresses() -> dict[str, str]:
 
 def interface_of(address: str) -> str | None:
     """The name of the interface that holds `address`, or None."""
-    return next((name for name, held in _addresses().items() if held == address), None)
+    return next((name for name, held in interface_addresses().items() if held == address), None)
 
 
 def interface_towards(host: str) -> str | None:
@@ -131,7 +132,7 @@ def outbound_ip(peers: list[str]) -> str:
         mine = "127.0.0.1"
     if not _loopback(mine):
         return mine
-    for held in _addresses().values():
+    for held in interface_addresses().values():
         if not _loopback(held):
             return held
     raise LaunchError(
@@ -149,7 +150,7 @@ def choose_gloo_interface(store_host: str) -> str | None:
     """
     current = os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
     if current:
-        held = _addresses()
+        held = interface_addresses()
         names = [n.strip() for n in current.split(",") if n.strip()]
         if not all(n == "lo" or _loopback(held.get(n, "")) for n in names):
             return current

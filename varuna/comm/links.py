@@ -1,101 +1,115 @@
-"""The process groups a pipeline's stage boundaries talk on: one for activations, one for gradients.
+"""The link contract: what a pipeline chunk's runtime asks of the connection to its neighbours.
 
-NCCL runs one communicator's operations one after another on its stream. Were a boundary's two
-directions on one communicator, the receives a stage posts early for the next activations would
-hold back its gradient sends, while the stage before waits for those gradients before it sends the
-activations: both ranks wait forever. The first GPU run of the checks hung exactly so (gloo, whose
-operations proceed independently, passed), which `varuna.comm.nccl_rules` now reproduces on a CPU.
-So each boundary between two ranks gets two groups of those two ranks, one per direction; with two
-chunks per rank each virtual boundary has its own, so the chunks' messages never share a stream.
+A chunk receives activations from the stage before it and sends gradients back on its `up` link,
+sends activations to the stage after it and receives their gradients on its `down` link
+(`varuna.engine.runtime.Chunk`). Three classes implement the contract:
 
-NCCL also creates a pair's communicator on the first send or receive on it, and that creation
-blocks until the peer makes its own first call there. A stage whose first operation is an early
-gradient receive on one group, while its peer's first is an activation receive on the other, would
-wait forever in creation (the second GPU run hung so, in every two-rank check). So the groups are
-warmed once, right after they are made: every rank exchanges one element on each of its groups in
-the order the groups were created, which is the same on every rank, so no two ranks can wait on
-each other (the group first in that order with a rank waiting has both its ranks there).
+- `varuna.comm.p2p.P2P`: non-blocking sends and receives between two ranks, shapes carried in
+  headers (gloo, and NCCL where a pair of ranks has its own communicator);
+- `varuna.comm.serial.SerialLink`: every message of a rank at its tick of one exchange table, so
+  that NCCL's in-order communicators never wait on each other; it needs each activation's shapes
+  before the step, so it lists micro-batches to probe;
+- `varuna.comm.local.LocalLink`: a hand-off between two chunks on the same rank (the turn of
+  zb-v's V), nothing copied.
+
+A step on a link runs `begin_step`, the probe (`shape_probe`, then `probe_send` / `probe_recv`
+for each micro-batch it listed, stage after stage), the schedule's sends and receives in its
+order, `flush` before the step's collectives and `finish` after them; `close` once after the last
+step. To add a link, implement `Link` and give it to the chunks where `varuna.engine.stage.chunk_links`
+builds them; mypy checks each implementation against this protocol (the assignments at the end
+of this module).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.distributed as dist
 
-from varuna.comm.p2p import P2P
-from varuna.comm.rendezvous import group_timeout
+if TYPE_CHECKING:
+    from varuna.comm.p2p import Value
 
-__all__ = ["boundary_groups", "pair_link", "warm"]
-
-
-def boundary_groups(
-    pipeline: int,
-    data: int,
-    num_stages: int,
-    rank_of: Callable[[int], int],
-    *,
-    position: int,
-    replica: int,
-    device: torch.device,
-) -> dict[int, tuple[Any, Any]]:
-    """Create every boundary's (activations, gradients) groups, in one order on every rank (as
-    torch.distributed requires), and return this rank's: boundary v (between virtual stages v and
-    v + 1) -> its two groups, for the boundaries of its own pipeline that it sits on. A boundary
-    inside one rank (two of its chunks meeting) is a local hand-off and gets none. `device` is this
-    rank's (the warm-up's element lives there, as NCCL requires)."""
-    mine: dict[int, tuple[Any, Any]] = {}
-    made: list[tuple[Any, int, int]] = []
-    for r in range(data):
-        for v in range(num_stages - 1):
-            a, b = rank_of(v), rank_of(v + 1)
-            if a == b:
-                continue
-            ranks = sorted((r * pipeline + a, r * pipeline + b))
-            act = dist.new_group(ranks, timeout=group_timeout())
-            grad = dist.new_group(ranks, timeout=group_timeout())
-            made += [(act, ranks[0], ranks[1]), (grad, ranks[0], ranks[1])]
-            if r == replica and position in (a, b):
-                mine[v] = (act, grad)
-    warm(made, dist.get_rank(), device)
-    return mine
+__all__ = ["Link"]
 
 
-def warm(
-    groups: list[tuple[Any, int, int]], rank: int, device: torch.device, *, batched: bool = False
-) -> None:
-    """Make the point-to-point communicator of each (group, lower rank, higher rank) this rank is
-    in, in the given order (the same on every rank): the lower rank sends one element, the higher
-    receives it. On NCCL this is where each pair's communicator is created (each exchange finished
-    on the device before the next creation: NCCL warns that a CUDA call made while its kernels
-    run may wait for them); on gloo it costs a round trip per group. `batched`: as a
-    `batch_isend_irecv` (which NCCL runs on the group's own communicator, `varuna.comm.serial`),
-    not an unbatched send (a pair's own two-rank communicator)."""
-    one = torch.zeros(1, device=device)
-    for group, low, high in groups:
-        if rank in (low, high):
-            op, peer = (dist.isend, high) if rank == low else (dist.irecv, low)
-            works = (
-                dist.batch_isend_irecv([dist.P2POp(op, one, peer, group)])
-                if batched
-                else [op(one, peer, group=group)]
-            )
-            for work in works:
-                assert work is not None  # this rank is in the group
-                work.wait()
-            if device.type == "cuda":  # no NCCL kernel in flight while the next communicator is made
-                torch.cuda.synchronize(device)
+class Link(Protocol):
+    """One chunk's connection to a neighbouring stage, in both directions.
+
+    Micro-batches are named by their index `mb` within the step. Receives return what the
+    neighbour sent: an activation (a tensor or a tuple of tensors, its floating tensors requiring
+    grad so that a backward reaches the sender's gradients) or the list of gradients of the
+    floating tensors this side sent.
+    """
+
+    idle_s: float
+    """Seconds spent waiting for a message the neighbour had not sent yet (a bubble)."""
+    comm_s: float
+    """Seconds spent moving data once it was on its way."""
+    bytes_sent: int
+    """Bytes of tensors sent, over the link's life."""
+
+    def begin_step(self, micro: Sequence[Mapping[str, Any]]) -> None:
+        """Start a step of `len(micro)` micro-batches (the batches themselves, for their shapes)."""
+        ...
+
+    def shape_probe(self) -> list[int]:
+        """The micro-batches whose activations must go through the pipeline once, without
+        gradients, before the step's actions (empty where shapes travel with the messages)."""
+        ...
+
+    def probe_send(self, mb: int, value: Value) -> None:
+        """Send micro-batch `mb`'s probe activation (only for micro-batches `shape_probe` listed)."""
+        ...
+
+    def probe_recv(self, mb: int) -> Value:
+        """Receive micro-batch `mb`'s probe activation (only for micro-batches `shape_probe` listed)."""
+        ...
+
+    def activation_ready(self, mb: int) -> bool:
+        """Whether micro-batch `mb`'s activation has arrived (a receive would not wait)."""
+        ...
+
+    def recv_activation(self, mb: int) -> Value:
+        """Micro-batch `mb`'s activation from the stage before, waiting for it if needed."""
+        ...
+
+    def send_activation(self, mb: int, value: Value, *, grad: bool = True) -> None:
+        """Send micro-batch `mb`'s activation to the stage after; `grad=False`: no gradient will
+        come back for it (evaluation), so nothing is posted for one."""
+        ...
+
+    def grad_ready(self, mb: int) -> bool:
+        """Whether the gradient of micro-batch `mb`'s activation has arrived."""
+        ...
+
+    def recv_grad(self, mb: int) -> list[torch.Tensor]:
+        """The gradients of micro-batch `mb`'s activation from the stage after, one per floating
+        tensor sent, waiting for them if needed."""
+        ...
+
+    def send_grad(self, mb: int, inputs: Value) -> None:
+        """Send the gradients that the backward left on micro-batch `mb`'s received `inputs` to
+        the stage before."""
+        ...
+
+    def flush(self) -> None:
+        """Send whatever the link holds back, before the step's collectives."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for every send of the step (their buffers stay alive until then)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the link runs in the background; after the last step."""
+        ...
 
 
-def pair_link(rank: int, device: torch.device, *, ordered: bool | None = None) -> P2P | None:
-    """The link between ranks 0 (a first stage) and 1 (its next), made as the engine makes one, for
-    measurements and checks outside a pipeline; None on the other ranks. Every rank of the job must
-    call it (it creates the two groups)."""
-    groups = boundary_groups(2, 1, 2, lambda v: v, position=rank, replica=0, device=device)
-    if rank == 0:
-        return P2P(None, 1, device, ordered=ordered, down=groups[0])
-    if rank == 1:
-        return P2P(0, None, device, ordered=ordered, up=groups[0])
-    return None
+if TYPE_CHECKING:  # mypy checks each implementation against the contract here
+    from varuna.comm.local import LocalLink
+    from varuna.comm.p2p import P2P
+    from varuna.comm.serial import SerialLink
+
+    def _implementations(p2p: P2P, serial: SerialLink, local: LocalLink) -> list[Link]:
+        return [p2p, serial, local]

@@ -17,11 +17,11 @@ NCCL differs from gloo in three ways that decide whether a pipeline's messages a
    allows. What passes strict needs no concurrency from the GPU.
 
 gloo does neither (tags match, operations proceed independently), so a schedule can pass every CPU
-test and hang on its first GPU step. That happened: the first GPU run of the checks hung in 120 s,
-while the same jobs passed on gloo, because activations and gradients of a rank pair shared one
-communicator (the fix: a group per direction and stage boundary, `varuna.comm.links`). The second
-hung by rule 3 (a stage's first operation was an early gradient receive, its peer's an activation
-receive), which the rules did not have then (the fix: `varuna.comm.links.warm`).
+test and hang on its first GPU step. Activations and gradients of a rank pair on one communicator
+hang by rule 2, hence a group per direction and stage boundary (`varuna.comm.groups`); a stage whose
+first operation is an early gradient receive while its peer's is an activation receive hangs by
+rule 3, hence every group is created up front in one order (`varuna.comm.groups.warm`). The GPU
+sessions page of the docs (docs/benchmarks/gpu.md) records the runs that hung so.
 
 `install()` (``VARUNA_NCCL_RULES=1`` on gloo; `init_distributed` calls it) replaces
 ``torch.distributed.isend``, ``irecv`` and ``batch_isend_irecv`` (a batch's operations proceed
@@ -91,7 +91,7 @@ class _Work:
                 f"{self.what} did not finish in {_timeout_s():g} s under NCCL's rules: it {where} "
                 f"({self.stream.name}); on NCCL this hangs. Post a communicator's operations in the "
                 "order its peer posts them, and put the two directions of a rank pair on two "
-                "communicators (varuna.comm.links)."
+                "communicators (varuna.comm.groups)."
             )
         if self.error is not None:
             raise self.error
@@ -179,7 +179,7 @@ def _create(stream: _Stream, me: int, peer: int) -> None:
             f"operation there: NCCL creates a communicator on first use and blocks until both ranks "
             f"arrive, so rank {peer}, starting another communicator first, would wait for this one; "
             "on NCCL this hangs. Create every communicator up front in one order on every rank "
-            "(varuna.comm.links.warm)."
+            "(varuna.comm.groups.warm)."
         ) from exc
 
 

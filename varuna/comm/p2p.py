@@ -29,9 +29,9 @@ Gradients flow back with exactly the shapes of the activations sent, so they nee
 their receives are posted as soon as the activation leaves, overlapping with compute.
 
 Streams: a stage boundary carries activations one way and gradients the other, each on a process
-group of its own (`varuna.comm.links`): NCCL runs a communicator's operations one after another,
+group of its own (`varuna.comm.groups`): NCCL runs a communicator's operations one after another,
 so with one group a receive posted early would hold back the other direction's sends and both
-ranks would wait (the first GPU run hung so; `VARUNA_NCCL_RULES=1` shows it on gloo). Within a
+ranks would wait (`VARUNA_NCCL_RULES=1` reproduces that on gloo). Within a
 stream messages match in order (FIFO); the tag also carries the micro-batch index so a mismatch
 fails loudly on gloo. NCCL ignores tags, so each end also posts in one order: early receives, then
 the header, then late.
@@ -138,8 +138,8 @@ class _Watcher:
     `then` runs in this thread once the first works are complete and returns more to wait for
     before the arrival is flagged: an activation's header, once here, posts the receives of its
     data at once, so the data moves while the receiving stage still computes (gloo sends a message
-    only when its receive is posted; waiting for the stage's main thread to post it cost 2-7 ms
-    per activation on a loaded host)."""
+    only when its receive is posted, so waiting for the stage's main thread to post it delays
+    every activation by however long that thread computes first)."""
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[list[Any], _Then, _Arrival] | None] = queue.SimpleQueue()
@@ -197,7 +197,8 @@ class _Pending:
 
 def _watching(device: torch.device) -> bool:
     """Whether receives get a `_Watcher` to report arrivals: on CPU (gloo) with VARUNA_P2P_WATCH=1
-    (off by default until measured on a quiet host; see the README)."""
+    (off by default: the thread competes with the rank's compute for the host's cores, so it is
+    for hosts with a core to spare)."""
     return device.type == "cpu" and os.environ.get("VARUNA_P2P_WATCH", "0") != "0"
 
 
@@ -480,6 +481,14 @@ class P2P:
     def shape_probe(self) -> list[int]:
         """Nothing to probe: shapes travel in headers here (see `varuna.comm.serial`)."""
         return []
+
+    def probe_send(self, mb: int, value: Value) -> None:
+        """Never called: `shape_probe` lists no micro-batch (`varuna.comm.links.Link`)."""
+        raise RuntimeError(f"P2P links carry shapes in headers; micro-batch {mb} needs no probe")
+
+    def probe_recv(self, mb: int) -> Value:
+        """Never called: `shape_probe` lists no micro-batch (`varuna.comm.links.Link`)."""
+        raise RuntimeError(f"P2P links carry shapes in headers; micro-batch {mb} needs no probe")
 
     def flush(self) -> None:
         """Nothing is held back here (see `varuna.comm.serial`)."""

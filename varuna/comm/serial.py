@@ -4,8 +4,8 @@ discipline, behind the `P2P` interface the runtime uses.
 NCCL runs a communicator's operations in posting order and does not promise that operations of
 different communicators on one GPU run at the same time (its guide: post them in one order on
 every rank). Varuna's `P2P` posts receives early, on a group per direction, so that messages move
-while the stage computes; the GPU runs hung in every two-rank job, and `VARUNA_NCCL_RULES=strict`
-(every operation of a rank in one posting order) hangs them the same way on a CPU. Here instead:
+while the stage computes; on NCCL that can wait forever in a two-rank job, as
+`VARUNA_NCCL_RULES=strict` (every operation of a rank in one posting order) shows on a CPU. Here instead:
 
 - one process group per pipeline replica carries every message of that pipeline (`replica_group`);
 - nothing is posted early: a receive is posted when the runtime asks for the value, and waited for;
@@ -119,7 +119,7 @@ def replica_group(pipeline: int, data: int, replica: int, device: torch.device) 
     return this rank's, its communicators made up front: a collective on it (NCCL's batched
     point-to-point runs on the group's own communicator) and one batched exchange per neighbour
     pair, in pipeline order on every rank."""
-    from varuna.comm.links import warm
+    from varuna.comm.groups import warm
     from varuna.comm.rendezvous import group_timeout
 
     groups = [

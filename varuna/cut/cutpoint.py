@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["CutPoint", "model_loss"]
+__all__ = ["CutPoint", "CutHandler", "handling", "model_loss"]
 
 
 def model_loss(result: Any) -> Any:
@@ -36,24 +36,26 @@ def model_loss(result: Any) -> Any:
     return result if loss is None else loss
 
 
-class _CutHandler(Protocol):
+class CutHandler(Protocol):
+    """What decides each CutPoint call's result inside `handling`: the engine's stage, a profiler's clock."""
+
     def on_cut(self, cut: CutPoint, value: Any) -> Any: ...
 
 
 _local = threading.local()
 
 
-def _current_handler() -> _CutHandler | None:
+def _current_handler() -> CutHandler | None:
     return getattr(_local, "handler", None)
 
 
-class _handling:
+class handling:
     """Context manager installing the object that decides what each CutPoint call returns."""
 
-    def __init__(self, handler: _CutHandler) -> None:
+    def __init__(self, handler: CutHandler) -> None:
         self.handler = handler
 
-    def __enter__(self) -> _CutHandler:
+    def __enter__(self) -> CutHandler:
         self.previous = _current_handler()
         _local.handler = self.handler
         return self.handler

@@ -33,7 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from varuna.cut.cutpoint import CutPoint, _handling, model_loss
+from varuna.cut.cutpoint import CutPoint, handling, model_loss
 from varuna.errors import ConfigError, PartitionError
 
 __all__ = [
@@ -216,7 +216,7 @@ def trace_model(model: nn.Module, batch: Mapping[str, Any]) -> Trace:
     names = cut_names(model)
     recorder = _Recorder(param_ids)
     cuts = _TraceCuts(names, recorder)
-    with torch.no_grad(), _handling(cuts), recorder, torch.compiler.set_stance("force_eager"):
+    with torch.no_grad(), handling(cuts), recorder, torch.compiler.set_stance("force_eager"):
         model(**batch)  # compiled blocks run as written: the trace follows every call
     never = [n for n in names.values() if n not in cuts.order]
     if never:
@@ -264,7 +264,7 @@ def profile_segments(
     for rep in range(repeats + 1):
         timer = _TimeCuts(names)
         start = time.perf_counter()
-        with _handling(timer):
+        with handling(timer):
             if autocast is not None:
                 with autocast():
                     loss = model_loss(model(**batch))

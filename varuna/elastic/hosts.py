@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from varuna._files import write_json_atomic
-from varuna.comm.addresses import _addresses, outbound_ip
-from varuna.errors import ConfigError
+from varuna.comm.addresses import interface_addresses, outbound_ip
+from varuna.errors import ConfigError, check_number
 from varuna.launch.hostfile import hostfile_hosts
 
 __all__ = [
@@ -63,7 +63,7 @@ def _is_local(name: str) -> bool:
             return True
     except ValueError:
         return False
-    return address in _addresses().values()
+    return address in interface_addresses().values()
 
 
 def remote_hosts(names: Iterable[str]) -> list[str]:
@@ -82,12 +82,12 @@ def controller_interface(hostfile: Path | None) -> str:
 
 def check_dead_after(value: object) -> float:
     """``dead_after_s`` as a float, or a ConfigError that says what to give."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ConfigError(
-            f"dead_after_s must be a number of seconds > 0 (a host whose ranks are all silent that long "
-            f"is taken for dead), got {value!r}"
-        )
-    return float(value)
+    return check_number(
+        value,
+        "dead_after_s",
+        message=f"dead_after_s must be a number of seconds > 0 (a host whose ranks are all silent that long "
+        f"is taken for dead), got {value!r}",
+    )
 
 
 def dead_hosts(placement: Mapping[int, str], silent_s: Mapping[int, float], dead_after_s: float) -> list[str]:

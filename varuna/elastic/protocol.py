@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from varuna._files import write_json_atomic
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_int
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.pids import Verdict, check_status
 from varuna.launch.signals import StopRequest, remember_early_stops
@@ -70,8 +70,7 @@ def live_workers(run_dir: Path) -> list[int]:
 def request_resize(run_dir: Path, *, pipeline: int, data: int, notify: bool = True) -> Path:
     """Queue a new shape for the job in `run_dir` and, with `notify`, ask its workers to morph now."""
     for name, value in (("pipeline", pipeline), ("data", data)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"resize needs a positive integer {name}, got {value!r}")
+        check_int(value, name, message=f"resize needs a positive integer {name}, got {value!r}")
     run_dir = Path(run_dir)
     if notify and not (run_dir / "job.json").exists():
         raise ConfigError(f"{run_dir} is not a varuna run directory (it has no job.json)")

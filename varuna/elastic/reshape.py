@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from varuna.elastic.protocol import Shape
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_int
 from varuna.schedule import schedule_spec
 
 __all__ = ["ShapeChoice", "choose_shape", "shape_for_gpus", "read_engine_info"]
@@ -101,8 +101,7 @@ def shape_for_gpus(run_dir: Path, gpus: int) -> ShapeChoice:
     pipeline="auto" assumes (`varuna.planner.auto.device_memory`). Raises ConfigError (a PlanError from
     the planner) when no shape fits.
     """
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError(f"zero GPUs: --gpus must be at least 1, got {gpus!r}")
+    check_int(gpus, "--gpus", message=f"zero GPUs: --gpus must be at least 1, got {gpus!r}")
     run_dir = Path(run_dir)
     info_path = run_dir / "engine.json"
     if not info_path.exists():

@@ -22,20 +22,14 @@ from typing import Any, Literal
 
 from varuna.checkpoint.config import CheckpointConfig
 from varuna.elastic.config import ElasticConfig
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_int, check_number
 from varuna.planner.config import PlannerConfig
 from varuna.schedule import SCHEDULES, ScheduleName, schedule_spec
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """The precisions an engine trains in (`varuna.engine.precision` applies them)."""
 
-__all__ = ["VarunaConfig", "EngineConfig", "OPTIONS", "PRECISIONS", "check_options", "positive_int"]
-
-
-def positive_int(name: str, value: object) -> None:
-    """ConfigError unless `value` is an int >= 1 (a bool or a string is not)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+__all__ = ["VarunaConfig", "EngineConfig", "OPTIONS", "PRECISIONS", "check_options"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,7 +65,7 @@ class EngineConfig:
     fuse_weights: bool = True
     """zb-h1 and zb-v (whose orders place every weight half W themselves and are fitted to the
     profiled stage costs): each W whose deferral shortens nothing on those costs runs inside its B,
-    one whole backward, since a split costs more than a whole one (1.15x on CPU, `StageCost`); the
+    one whole backward, since a split costs more than a whole one (`StageCost` prices both); the
     W's that fill a wait stay split (`varuna.schedule.chunked.fuse_weights`). False: every W where
     the schedule places it, as in the paper."""
     refit_after: int | None = 2
@@ -90,6 +84,15 @@ class EngineConfig:
     fp16 skips such steps through its loss scaler either way."""
     bucket_mb: float = 25.0
     """Size of the data-parallel all-reduce buckets."""
+    overlap_allreduce: bool = True
+    """Start each bucket's data-parallel all-reduce as soon as its gradients are final, during the
+    stage's last backward (as DDP does), instead of after the stage's last action; the result is the
+    same. Off where the links are serial (NCCL's just-in-time path, `varuna.comm.serial`), whose
+    held sends must go out before any collective."""
+    allreduce_dtype: Literal["bf16"] | None = None
+    """None: all-reduce the gradients in their own dtype (training equal to one process). "bf16":
+    all-reduce a bfloat16 copy of each bucket (half the bytes on a slow network) and copy the mean
+    back into the gradients, which then differ from one process's by bfloat16's rounding."""
     init_loss_scale: float = 2.0**16
     """First fp16 loss scale."""
     profile_repeats: int = 3
@@ -97,7 +100,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("pipeline", "data", "global_batch_size", "micro_batch_size", "profile_repeats"):
-            positive_int(name, getattr(self, name))
+            check_int(getattr(self, name), name)
         per_step = self.data * self.micro_batch_size
         if self.global_batch_size % per_step:
             raise ConfigError(
@@ -130,17 +133,23 @@ class EngineConfig:
                 "momentum) or 'none' (plain SGD)"
             )
         r = self.refit_after
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
-            raise ConfigError(
-                f"refit_after must be a positive number of steps, or None to keep the order fitted to the "
-                f"start-up profile; got {r!r}"
+        if r is not None:
+            check_int(
+                r,
+                "refit_after",
+                message=f"refit_after must be a positive number of steps, or None to keep the order fitted "
+                f"to the start-up profile; got {r!r}",
             )
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
+        if self.allreduce_dtype not in (None, "bf16"):
+            raise ConfigError(
+                f"allreduce_dtype={self.allreduce_dtype!r}: use None (the gradients' own dtype) or 'bf16'"
+            )
+        if not isinstance(self.overlap_allreduce, bool):
+            raise ConfigError(f"overlap_allreduce must be True or False, got {self.overlap_allreduce!r}")
         for name in ("bucket_mb", "init_loss_scale"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+            check_number(getattr(self, name), name)
 
     @property
     def num_microbatches(self) -> int:

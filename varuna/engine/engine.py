@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,16 +44,17 @@ from varuna.engine.config import VarunaConfig
 from varuna.engine.evaluate import Evaluation, MetricsFn
 from varuna.engine.evaluate import evaluate as _evaluate
 from varuna.engine.materialize import InitFn, is_meta, materialize, require_init
+from varuna.engine.observer import Observer
 from varuna.engine.precision import LossScaler, autocast_policy
 from varuna.engine.preflight import check as check_memory
 from varuna.engine.preflight import rank_estimate
 from varuna.engine.refit import OrderRefit
 from varuna.engine.runtime import Chunk, StageRuntime, StepTimes
-from varuna.errors import CheckpointError, ConfigError
+from varuna.errors import CheckpointError, ConfigError, check_int
 from varuna.metrics import MetricsLogger
 from varuna.planner.costs import model_signature
 from varuna.schedule import Action, build_schedule, forward_only, schedule_spec
-from varuna.telemetry.recorder import Telemetry  # telemetry
+from varuna.telemetry.recorder import Telemetry
 
 __all__ = ["Varuna"]
 
@@ -97,36 +98,73 @@ class Varuna:
         init: InitFn | None = None,
         **options: Any,
     ) -> None:
+        self._configure(
+            model,
+            dict(
+                global_batch_size=global_batch_size,
+                micro_batch_size=micro_batch_size,
+                pipeline=pipeline,
+                data=data,
+                schedule=schedule,
+                precision=precision,
+                shared_weights=shared_weights,
+                partition=partition,
+                recompute=recompute,
+                clip_grad_norm=clip_grad_norm,
+                run_dir=run_dir,
+                resume=resume,
+                **options,
+            ),
+        )
+        self.plan_info = dict(plan_info) if plan_info is not None else None  # engine.json's "plan"
+        self.model = model
+        meta = is_meta(model)  # built on the meta device: this rank makes only its stage real
+        if meta and self.config.checkpoint.weights is None:
+            require_init(model, init)
+        micro = self._example_micro(example_batch)
+        self.trace, traced = _stage.trace(model, micro)  # traced: output shapes, for skipped modules
+        self._partition_and_schedule(micro, measure=not meta)
+        self._check_memory(micro)  # before anything of the stage's size is allocated
+        self._materialize(meta, traced, init)
+        self._make_buckets()
+        self._make_runtime(self._make_links(), traced)
+        self._init_training_state()
+        if self._resume_path is not None:
+            self._resume()
+        if self.rank == 0 and self.config.run_dir is not None:
+            self._write_engine_info()
+        self.observer: Observer = Telemetry.attach(self)  # says hello and ready
+        self._runtime.observer = self.observer
+
+    # construction, in the order __init__ runs it -----------------------------------------------
+    def _configure(self, model: nn.Module, args: dict[str, Any]) -> None:
+        """Join the job, check the options into `self.config`, and find this rank's place in it."""
         env = vdist.launch_env()
         self.rank, self.world_size = vdist.init_distributed()
         _log.setup(self.rank)
-        self.plan_info = dict(plan_info) if plan_info is not None else None  # engine.json's "plan"
+        pipeline, data = args.pop("pipeline"), args.pop("data")
         if pipeline == "auto":
             raise ConfigError(
                 "pipeline='auto' is resolved by varuna.Varuna (from varuna import Varuna), which plans the "
                 "shape and then builds this engine; varuna.engine.Varuna takes a pipeline depth"
             )
-        if micro_batch_size is None:
+        if args["micro_batch_size"] is None:
             raise ConfigError(
                 "micro_batch_size is required (or pass pipeline='auto' to let the planner choose it)"
             )
         pipeline = pipeline if pipeline is not None else (env.pipeline or 1)
         if data is None:
             data = env.data if env.data is not None else max(self.world_size // max(pipeline, 1), 1)
+        partition, run_dir, resume = args.pop("partition"), args.pop("run_dir"), args.pop("resume")
         self.config = VarunaConfig(
             pipeline=pipeline,
             data=data,
-            global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
-            schedule=schedule or "1f1b",  # type: ignore[arg-type]
-            precision=precision,  # type: ignore[arg-type]
-            shared_weights=tuple(tuple(g) for g in (shared_weights or ())),
-            partition=partition if isinstance(partition, str) else tuple(partition),  # type: ignore[arg-type]
-            recompute=recompute,
-            clip_grad_norm=clip_grad_norm,
+            schedule=args.pop("schedule") or "1f1b",
+            shared_weights=tuple(tuple(g) for g in (args.pop("shared_weights") or ())),
+            partition=partition if isinstance(partition, str) else tuple(partition),
             run_dir=Path(run_dir) if run_dir is not None else env.run_dir,
             resume=resume if resume is not None else os.environ.get("VARUNA_RESUME") or None,
-            **options,
+            **args,
         )
         cfg = self.config
         if cfg.engine.split_backward and any(
@@ -148,30 +186,37 @@ class Varuna:
         self.device = _device()
         self.autocast = autocast_policy(cfg.engine.precision, self.device.type)
         self.scaler = LossScaler(cfg.engine.init_loss_scale) if cfg.engine.precision == "fp16" else None
-        self.model = model
-        meta = is_meta(model)  # built on the meta device: this rank makes only its stage real
-        if meta and cfg.checkpoint.weights is None:
-            require_init(model, init)
-
-        micro = None if cfg.engine.pipeline == 1 and example_batch is None else self._example(example_batch)
-        self.trace, traced = _stage.trace(model, micro)  # traced: output shapes, for skipped modules
-        spec = schedule_spec(cfg.engine.schedule)
+        self._spec = spec = schedule_spec(cfg.engine.schedule)
         self.chunk_stages = spec.stages_of(self.stage, P)  # the virtual stages this rank holds
-        rank_of = lambda s: spec.rank_of(s, P)  # noqa: E731
+        self._rank_of: Callable[[int], int] = lambda s: spec.rank_of(s, P)
+        self._resume_path = (
+            ckpt.resolve(cfg.checkpoint.resume, cfg.run_dir) if cfg.checkpoint.resume is not None else None
+        )
+
+    def _example_micro(self, example_batch: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The micro-batch the trace runs (None: a single stage traces nothing)."""
+        if self.config.engine.pipeline == 1 and example_batch is None:
+            return None
+        return self._example(example_batch)
+
+    def _partition_and_schedule(self, micro: dict[str, Any] | None, *, measure: bool) -> None:
+        """Cut the model into stages (`self.partition`) and lower the schedule for every rank."""
+        cfg, spec, P = self.config, self._spec, self.config.engine.pipeline
+        num_stages = P * spec.chunks_per_rank
         self.partition = _stage.partition(
-            model,
+            self.model,
             self.trace,
             micro,
             cfg,
             rank=self.rank,
             world_size=self.world_size,
             autocast=self.autocast,
-            num_stages=P * spec.chunks_per_rank,
-            owners=[rank_of(v) for v in range(P * spec.chunks_per_rank)],
+            num_stages=num_stages,
+            owners=[self._rank_of(v) for v in range(num_stages)],
             timed=spec.timed_order,
-            measure=not meta,
+            measure=measure,
         )
-        lowered = build_schedule(
+        self.schedule = build_schedule(
             cfg.engine.schedule,
             P,
             cfg.engine.num_microbatches,
@@ -181,90 +226,108 @@ class Varuna:
             if spec.timed_order
             else None,
         )
-        self.schedule = lowered
-        # before anything of the stage's size is allocated: a shape that cannot fit is refused here
+        self.actions: list[Action] = self.schedule[self.stage]
+
+    def _check_memory(self, micro: dict[str, Any] | None) -> None:
+        """Estimate this rank's memory and refuse a shape that cannot fit (`MemoryLimitError`)."""
         self.memory_estimate = rank_estimate(
-            model,
+            self.model,
             micro,
             self.trace,
             self.partition,
-            cfg,
-            lowered,
+            self.config,
+            self.schedule,
             chunk_stages=self.chunk_stages,
-            rank_of=rank_of,
+            rank_of=self._rank_of,
             device=self.device,
             autocast=self.autocast,
             where=self.where,
         )
-        check_memory(self.memory_estimate, where=self.where, config=cfg)
+        check_memory(self.memory_estimate, where=self.where, config=self.config)
+
+    def _materialize(self, meta: bool, traced: dict[str, Any], init: InitFn | None) -> None:
+        """Keep only this rank's stage, make it real on the device and give it its first values
+        (seeded init, a weights file, or replica 0's, broadcast); a checkpoint's come later."""
+        model, cfg = self.model, self.config
         owned = {n for v in self.chunk_stages for n in self.partition.stage_params[v]}
         _stage.strip(model, owned, self.device, traced)
         fresh = materialize(model, self.device, params=owned) if meta else {}
         _stage.to_device(model, self.device)
         self._params = _stage.owned_parameters(model)
-        self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage, rank_of)
-        self._resume_path = (
-            ckpt.resolve(cfg.checkpoint.resume, cfg.run_dir) if cfg.checkpoint.resume is not None else None
-        )
+        self._dp_group, self._tied_groups = _stage.make_groups(cfg, self.partition, self.stage, self._rank_of)
         _stage.initial_weights(model, fresh, cfg, self.trace.param_aliases, init=init)
         if self._resume_path is None and not meta and cfg.checkpoint.weights is None:
             # a checkpoint, a weights file or the seeded init give every replica the same values
             _stage.broadcast_initial_values(
-                self._params, self.stage, self._dp_group, self._tied_groups, rank_of
+                self._params, self.stage, self._dp_group, self._tied_groups, self._rank_of
             )
 
+    def _make_buckets(self) -> None:
+        """The data-parallel gradient buckets, and the tied weights this rank sums across stages."""
         tied_names = {n for g in self.partition.tied for n in g.names}
         by_name = dict(self._params)
+        stage_of = {n: v for v in self.chunk_stages for n in self.partition.stage_params[v]}
         self._buckets = GradBuckets(
             [p for n, p in self._params if n not in tied_names],
-            bucket_bytes=int(cfg.engine.bucket_mb * 2**20),
+            bucket_bytes=int(self.config.engine.bucket_mb * 2**20),
+            stages={id(p): stage_of.get(n, self.stage) for n, p in self._params},
+            dtype=torch.bfloat16 if self.config.engine.allreduce_dtype == "bf16" else None,
         )
         self._tied_local = [
             (g, pg, [by_name[n] for n in g.names if n in by_name])
             for g, pg, _ in self._tied_groups
             if set(self.chunk_stages) & set(g.stages)
         ]
-        self._tied_first = [rank_of(g.stages[0]) == self.stage for g, _, _ in self._tied_local]
+        self._tied_first = [self._rank_of(g.stages[0]) == self.stage for g, _, _ in self._tied_local]
 
-        self.actions: list[Action] = lowered[self.stage]
-        chunks, courier = _stage.pipeline_links(
-            cfg,
-            lowered,
+    def _make_links(self) -> list[Chunk]:
+        """The links to the neighbouring stages, as this rank's chunks; the order refit beside them."""
+        links, courier = _stage.pipeline_links(
+            self.config,
+            self.schedule,
             self.chunk_stages,
-            rank_of,
+            self._rank_of,
             rank=self.rank,
             stage=self.stage,
             replica=self.replica,
             device=self.device,
         )
-        self._courier, self._rank_of = courier, rank_of
+        self._courier = courier
         self._refit = OrderRefit.create(
-            cfg,
-            rank_of,
+            self.config,
+            self._rank_of,
             stage=self.stage,
             chunk_stages=self.chunk_stages,
             courier=courier,
             device=self.device,
         )
-        names = cut_names(model)
+        return [
+            Chunk(v, self.partition.start_cut(v), self.partition.end_cut(v), up, down)
+            for v, (up, down) in zip(self.chunk_stages, links)
+        ]
+
+    def _make_runtime(self, chunks: list[Chunk], traced: dict[str, Any]) -> None:
+        """The runtime that runs this rank's actions on its chunks."""
+        names = cut_names(self.model)
         position = {name: i for i, name in enumerate(self.trace.cut_names)}
         index_of = {mid: position.get(name, -1) for mid, name in names.items()}
+        cfg = self.config
         self._runtime = StageRuntime(
-            model,
-            chunks=[
-                Chunk(v, self.partition.start_cut(v), self.partition.end_cut(v), up, down)
-                for v, (up, down) in zip(self.chunk_stages, chunks)
-            ],
-            num_stages=P * spec.chunks_per_rank,
+            self.model,
+            chunks=chunks,
+            num_stages=cfg.engine.pipeline * self._spec.chunks_per_rank,
             cut_index=index_of,
             cut_names=self.trace.cut_names,
             device=self.device,
             autocast=self.autocast,
             recompute=cfg.engine.uses_recompute,
-            opportunistic=spec.pull_ahead,
+            opportunistic=self._spec.pull_ahead,
             where=self.where,
             traced=traced,
         )
+
+    def _init_training_state(self) -> None:
+        """The step counter, the optimizer's place, the history and the stop handling."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self.step_count = 0
@@ -284,25 +347,24 @@ class Varuna:
         self._saved_optimizer_class: str | None = None
         self.resume_info: dict[str, Any] | None = None
         self.last_checkpoint: dict[str, Any] | None = None
-        if self._resume_path is not None:
-            resumed = _train_state.resume(
-                self._resume_path,
-                cfg,
-                rank=self.rank,
-                world_size=self.world_size,
-                param_shapes=self.trace.param_shapes,
-                params=self._params,
-                scaler=self.scaler,
-            )
-            self.step_count, self._pending_optimizer = resumed.step, resumed.pending_optimizer
-            self._saved_optimizer_class = resumed.optimizer_class
-            self.resumed_from, self.resume_info = self._resume_path, resumed.info
-        if self.rank == 0 and cfg.run_dir is not None:
-            self._write_engine_info()
-        self._telemetry = Telemetry.attach(self)  # telemetry: hello, ready
-        self._runtime.observer = self._telemetry  # told of each step and send
 
-    # construction ------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Load this stage's state from the checkpoint being resumed (the optimizer's waits for
+        `set_optimizer`)."""
+        assert self._resume_path is not None
+        resumed = _train_state.resume(
+            self._resume_path,
+            self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            param_shapes=self.trace.param_shapes,
+            params=self._params,
+            scaler=self.scaler,
+        )
+        self.step_count, self._pending_optimizer = resumed.step, resumed.pending_optimizer
+        self._saved_optimizer_class = resumed.optimizer_class
+        self.resumed_from, self.resume_info = self._resume_path, resumed.info
+
     def _example(self, example_batch: Mapping[str, Any] | None) -> dict[str, Any]:
         if example_batch is None:
             raise ConfigError(
@@ -404,105 +466,14 @@ class Varuna:
 
     def step(self, batch: Mapping[str, Any]) -> float:
         """Forward and backward over this replica's micro-batches, reduce, step; the global mean loss."""
-        cfg = self.config
         if self._morph_exit is not None:
-            if self.rank == 0:
-                reason = self.stop_request.reason or "by another rank"
-                log.info(
-                    "varuna: stop requested (%s); checkpointed step %d to %s; exiting to morph",
-                    reason,
-                    self.step_count,
-                    self._morph_exit,
-                )
-            raise SystemExit(MORPH_EXIT)
-        if not isinstance(batch, Mapping):
-            raise ConfigError(
-                f"step() takes one batch dict, as engine.batch(dataset, step) gives (got a {type(batch).__name__}); "
-                "the engine splits it into micro-batches itself"
-            )
+            self._exit_to_morph()
         t0 = time.perf_counter()
-        local = cfg.engine.global_batch_size // cfg.engine.data
-        n = batch_len(batch)
-        if n != local:
-            raise ConfigError(
-                f"step() got a batch of {n} samples but this replica's share of the global batch is "
-                f"global_batch_size / data = {cfg.engine.global_batch_size} / {cfg.engine.data} = {local}; "
-                "use engine.batch(dataset, step) or slice varuna.data.sample_indices(...)"
-            )
-        mbs, M = cfg.engine.micro_batch_size, cfg.engine.num_microbatches
-        micro = [slice_batch(batch, i * mbs, (i + 1) * mbs, self.device) for i in range(M)]
-        self._buckets.zero_and_attach()
-        for _, _, members in self._tied_local:
-            for p in members:
-                p.grad = None
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        self._works: list[Any] = []
-        if self._refit is not None and (refitted := self._refit.before_step(self.last_times, self.schedule)):
-            self.schedule, self.actions = refitted, refitted[self.stage]
-        losses, times = self._runtime.run(
-            self.actions, micro, loss_coef=scale / M, allreduce=self._start_allreduce
-        )
-        t_wait = time.perf_counter()
-        for w in self._works:
-            w.wait()
-        self._finish_tied()
-        self._runtime.finish()
-        grads = [p.grad for _, p in self._params if p.grad is not None]
-        sumsq = self._local_sumsq()
-        want_ckpt = self._telemetry.poll()  # telemetry: rank 0's controller commands (stop sets stop_request)
-        # [loss, grad sum of squares, stop, checkpoint]: the one small all-reduce of every step
-        flags = torch.tensor(
-            [
-                float(sum(losses)) / M if losses else 0.0,
-                sumsq,
-                float(bool(self.stop_request)),
-                float(want_ckpt),
-            ],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        if self.world_size > 1:
-            dist.all_reduce(flags)
-        times.comm_s += time.perf_counter() - t_wait
-        loss, total_sq, stop = (
-            float(flags[0]) / cfg.engine.data,
-            float(flags[1]) / cfg.engine.data,
-            bool(flags[2] > 0),
-        )
-        want_ckpt = bool(flags[3] > 0)  # telemetry: a controller's checkpoint command, agreed by all ranks
+        micro = self._micro_batches(batch)
+        losses, times = self._run_pipeline(micro)
+        loss, total_sq, stop, want_ckpt = self._agree(losses, times)
         self.should_stop = stop
-        overflow = self.scaler is not None and not math.isfinite(total_sq)
-        nonfinite = self.scaler is None and not (math.isfinite(loss) and math.isfinite(total_sq))
-        if nonfinite and cfg.engine.on_nonfinite == "raise":  # every rank agrees: the flags are reduced
-            origin = _nonfinite.diagnose(self, micro)
-            raise _nonfinite.NonFiniteError(_nonfinite.describe(self.step_count, loss, total_sq, origin))
-        if nonfinite:
-            self.nonfinite_steps += 1
-            if self.rank == 0:
-                _nonfinite.note_skip(self.step_count, loss, total_sq, self.where)
-        self.last_step_skipped = overflow or nonfinite
-        if nonfinite:
-            self.last_grad_norm = None
-        elif overflow:
-            assert self.scaler is not None
-            self.scaler.update(True)
-            self.last_grad_norm = None
-        else:
-            norm = math.sqrt(total_sq) / scale
-            self.last_grad_norm = norm
-            coef = 1.0 / scale
-            if cfg.engine.clip_grad_norm is not None and norm > cfg.engine.clip_grad_norm:
-                coef *= cfg.engine.clip_grad_norm / (norm + 1e-6)
-            if coef != 1.0 and grads:
-                torch._foreach_mul_(grads, coef)
-            if self.optimizer is not None:
-                t_opt = time.perf_counter()
-                self.optimizer.step()
-                if self.lr_scheduler is not None:
-                    _step_scheduler(self.lr_scheduler, loss)
-                times.compute_s += time.perf_counter() - t_opt
-            if self.scaler is not None:
-                self.scaler.update(False)
+        self._update(loss, total_sq, micro, times)
         self.step_count += 1
         times.total_s = time.perf_counter() - t0
         self.last_times = times
@@ -516,18 +487,141 @@ class Varuna:
                 "idle_s": max(times.total_s - times.compute_s - times.comm_s, 0.0),
             }
         )
-        if stop and cfg.elastic.on_stop == "exit":
+        if stop and self.config.elastic.on_stop == "exit":
             # Checkpoint now (a preempted VM has seconds), exit at the next step() so that the script
             # still sees this step's loss.
             self._morph_exit = self.checkpoint()
-            self._telemetry.checkpoint_done(self.last_checkpoint, exit_code=MORPH_EXIT)  # telemetry
-        self._telemetry.on_step(loss, times)  # telemetry
+            self.observer.checkpoint_done(self.last_checkpoint, exit_code=MORPH_EXIT)
+        self.observer.on_step(loss, times)
         if self._loggers:
             self._report_step(loss, times)
-        if want_ckpt and self._morph_exit is None:  # telemetry
-            self.checkpoint()  # telemetry
-            self._telemetry.checkpoint_done(self.last_checkpoint)  # telemetry
+        if want_ckpt and self._morph_exit is None:
+            self.checkpoint()
+            self.observer.checkpoint_done(self.last_checkpoint)
         return loss
+
+    # one step, in the order step() runs it -------------------------------------------------------
+    def _exit_to_morph(self) -> None:
+        """The step after a stop request's checkpoint: exit with the morph status."""
+        if self.rank == 0:
+            reason = self.stop_request.reason or "by another rank"
+            log.info(
+                "varuna: stop requested (%s); checkpointed step %d to %s; exiting to morph",
+                reason,
+                self.step_count,
+                self._morph_exit,
+            )
+        raise SystemExit(MORPH_EXIT)
+
+    def _micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """This replica's batch, checked, cut into the step's micro-batches on the device."""
+        cfg = self.config.engine
+        if not isinstance(batch, Mapping):
+            raise ConfigError(
+                f"step() takes one batch dict, as engine.batch(dataset, step) gives (got a {type(batch).__name__}); "
+                "the engine splits it into micro-batches itself"
+            )
+        local = cfg.global_batch_size // cfg.data
+        n = batch_len(batch)
+        if n != local:
+            raise ConfigError(
+                f"step() got a batch of {n} samples but this replica's share of the global batch is "
+                f"global_batch_size / data = {cfg.global_batch_size} / {cfg.data} = {local}; "
+                "use engine.batch(dataset, step) or slice varuna.data.sample_indices(...)"
+            )
+        mbs = cfg.micro_batch_size
+        return [slice_batch(batch, i * mbs, (i + 1) * mbs, self.device) for i in range(cfg.num_microbatches)]
+
+    def _run_pipeline(self, micro: list[dict[str, Any]]) -> tuple[list[torch.Tensor], StepTimes]:
+        """Run this rank's actions on the micro-batches (the data-parallel all-reduce starts at the
+        schedule's ALLREDUCE) and wait for every reduction and send of the step."""
+        self._buckets.zero_and_attach()
+        for _, _, members in self._tied_local:
+            for p in members:
+                p.grad = None
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._works: list[Any] = []
+        self._buckets.begin_step(self._dp_group, self.config.engine.data)
+        overlap = self.config.engine.overlap_allreduce and self._courier is None
+        if self._refit is not None and (refitted := self._refit.before_step(self.last_times, self.schedule)):
+            self.schedule, self.actions = refitted, refitted[self.stage]
+        losses, times = self._runtime.run(
+            self.actions,
+            micro,
+            loss_coef=scale / len(micro),
+            allreduce=self._start_allreduce,
+            grads=self._buckets if overlap else None,
+        )
+        t_wait = time.perf_counter()
+        for w in self._works:
+            w.wait()
+        self._finish_tied()
+        self._runtime.finish()
+        times.comm_s += time.perf_counter() - t_wait
+        return losses, times
+
+    def _agree(self, losses: list[torch.Tensor], times: StepTimes) -> tuple[float, float, bool, bool]:
+        """The step's one small all-reduce: every rank learns the global mean loss, the gradients'
+        squared norm, and whether any rank was asked to stop or (rank 0, by a controller) to
+        checkpoint, so all act on the same step."""
+        cfg = self.config.engine
+        t0 = time.perf_counter()
+        sumsq = self._local_sumsq()
+        want_ckpt = self.observer.poll()  # rank 0's controller commands (stop sets stop_request)
+        flags = torch.tensor(
+            [
+                float(sum(losses)) / cfg.num_microbatches if losses else 0.0,
+                sumsq,
+                float(bool(self.stop_request)),
+                float(want_ckpt),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        if self.world_size > 1:
+            dist.all_reduce(flags)
+        times.comm_s += time.perf_counter() - t0
+        return float(flags[0]) / cfg.data, float(flags[1]) / cfg.data, bool(flags[2] > 0), bool(flags[3] > 0)
+
+    def _update(self, loss: float, total_sq: float, micro: list[dict[str, Any]], times: StepTimes) -> None:
+        """Unscale and clip the gradients and step the optimizer and scheduler, unless the step
+        overflowed (fp16: the scale shrinks) or went non-finite (`on_nonfinite`)."""
+        cfg = self.config.engine
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        overflow = self.scaler is not None and not math.isfinite(total_sq)
+        nonfinite = self.scaler is None and not (math.isfinite(loss) and math.isfinite(total_sq))
+        if nonfinite and cfg.on_nonfinite == "raise":  # every rank agrees: the flags are reduced
+            origin = _nonfinite.diagnose(self, micro)
+            raise _nonfinite.NonFiniteError(_nonfinite.describe(self.step_count, loss, total_sq, origin))
+        if nonfinite:
+            self.nonfinite_steps += 1
+            if self.rank == 0:
+                _nonfinite.note_skip(self.step_count, loss, total_sq, self.where)
+        self.last_step_skipped = overflow or nonfinite
+        if nonfinite:
+            self.last_grad_norm = None
+            return
+        if overflow:
+            assert self.scaler is not None
+            self.scaler.update(True)
+            self.last_grad_norm = None
+            return
+        norm = math.sqrt(total_sq) / scale
+        self.last_grad_norm = norm
+        coef = 1.0 / scale
+        if cfg.clip_grad_norm is not None and norm > cfg.clip_grad_norm:
+            coef *= cfg.clip_grad_norm / (norm + 1e-6)
+        grads = [p.grad for _, p in self._params if p.grad is not None]
+        if coef != 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        if self.optimizer is not None:
+            t_opt = time.perf_counter()
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                _step_scheduler(self.lr_scheduler, loss)
+            times.compute_s += time.perf_counter() - t_opt
+        if self.scaler is not None:
+            self.scaler.update(False)
 
     def evaluate(self, data: Any, *, metrics: MetricsFn | None = None) -> Evaluation:
         """Collective: the model's mean loss (and summed `metrics`) over `data`, forwards only, on
@@ -551,10 +645,9 @@ class Varuna:
 
             engine.add_logger(varuna.metrics.TensorBoardLogger("runs/gpt/tb"))
         """
-        from varuna.engine.config import positive_int
         from varuna.metrics import check_logger
 
-        positive_int("every", every)
+        check_int(every, "every")
         if all_ranks or self.rank == 0:
             self._loggers.append((check_logger(logger), every))
 
@@ -633,8 +726,7 @@ class Varuna:
 
     # reductions --------------------------------------------------------------------------------
     def _start_allreduce(self) -> None:
-        if self._dp_group is not None:
-            self._works += self._buckets.allreduce_mean(self._dp_group, self.config.engine.data)
+        self._works += self._buckets.finish()  # the buckets not started during the last backward
         self._tied_sums = []
         for _, pg, members in self._tied_local:
             grads = [p.grad for p in members if p.grad is not None]

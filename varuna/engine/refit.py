@@ -4,16 +4,16 @@
 zb-h1 and zb-v fit their order, and which weight halves stay split (`fuse_weights`), to each
 virtual stage's costs: at start-up the profiled segment costs, timed on rank 0 with the whole model
 in one process and split into F, B and W by fixed shares. In the pipeline a chunk costs what it
-costs there: on the bench GPT's ZB-V chunks at [4, 6, 13] the profile priced the last chunk's
-forward and backward 8-14% above what they took (F 22.5 / B 45.0 ms against 20.4 / 38.6) and the
-middle ones 4-14% below, so the order it fitted left the first rank waiting on the second.
+costs there, which can differ from the profile by several percent either way, chunk by chunk; an
+order fitted to the profile can then leave one rank waiting on the next (docs/benchmarks/findings.md
+has an example).
 
 After `refit_after` steps, at the start of the next, each rank takes the median F, split B, W and
 whole B of its chunks from the last step's spans (`varuna.planner.timeline.measured_cost`), one
 all-reduce gives every rank every virtual stage's (the mean over replicas), and each rank builds
 the order from them (`build_schedule(costs=)`): the same on all, since all build it from the same
 numbers. Where the order that ran is as short as the new one on those costs, it stays (the fit is
-a heuristic: in one bench run the refitted ZB-V order came out 0.4% longer). The cut stays: moving
+a heuristic, and a refitted order can run longer than the one it replaces). The cut stays: moving
 it would move parameters (`varuna morph` does that).
 
     refit = OrderRefit.create(config, rank_of, stage=0, chunk_stages=[0], courier=None, device=cpu)

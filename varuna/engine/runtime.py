@@ -20,7 +20,6 @@ one), so a stage fills its own bubble instead of idling.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -30,11 +29,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from varuna.comm.links import Link
 from varuna.comm.p2p import flatten_value
-from varuna.cut.cutpoint import CutPoint, _handling, model_loss
+from varuna.cut.cutpoint import CutPoint, handling, model_loss
 from varuna.cut.standin import cross_stage_error, origin_of, stand_in_context
 from varuna.engine.backward import WeightGrads, input_grads_first
 from varuna.engine.chunks import guard_chunks
+from varuna.engine.observer import Observer, Unobserved
 from varuna.errors import PartitionError
 from varuna.schedule import WEIGHT_KIND, Action, Span, pull_ahead_room
 
@@ -56,31 +57,17 @@ class StepTimes:
     """Forwards run ahead of a gradient that was not here yet (Varuna's pull-ahead)."""
 
 
-class Observer(Protocol):
-    """What the runtime tells whoever watches it (the engine's telemetry), through calls it makes
-    itself: nothing of the runtime is replaced while it runs.
+class GradSync(Protocol):
+    """Who starts the data-parallel all-reduce early (`varuna.comm.buckets.GradBuckets`): told when
+    a chunk's last backward runs and when its weight gradients are final."""
 
-        with observer.step():              # around one step's actions (exceptions pass through)
-            ... observer.on_send("SEND_F", m, nbytes) after each send
-    """
-
-    def step(self) -> AbstractContextManager[object]:
-        """A context around one step's actions."""
+    def final_pass(self, stage: int) -> AbstractContextManager[object]:
+        """Around the last whole backward that adds to chunk `stage`'s weight gradients this step."""
         ...
 
-    def on_send(self, kind: str, microbatch: int, nbytes: int) -> None:
-        """`kind` ("SEND_F" or "SEND_B") of micro-batch `microbatch` put `nbytes` on the wire."""
+    def stage_done(self, stage: int) -> None:
+        """Chunk `stage` has added its last weight gradient of the step."""
         ...
-
-
-class _Unobserved:
-    """The observer of a runtime nobody watches."""
-
-    def step(self) -> AbstractContextManager[object]:
-        return contextlib.nullcontext()
-
-    def on_send(self, kind: str, microbatch: int, nbytes: int) -> None:
-        pass
 
 
 class _StageDone(BaseException):
@@ -149,8 +136,8 @@ class Chunk:
     stage: int
     start_cut: int | None
     end_cut: int | None
-    up: Any = None
-    down: Any = None
+    up: Link | None = None
+    down: Link | None = None
 
 
 class _ChunkRun:
@@ -158,12 +145,26 @@ class _ChunkRun:
 
     def __init__(self, chunk: Chunk, cuts: _StageCuts, last: bool, recompute: bool) -> None:
         self.stage = chunk.stage
-        self.up, self.down = chunk.up, chunk.down
+        self._up, self._down = chunk.up, chunk.down
         self.cuts = cuts
         self.first = chunk.stage == 0
         self.last = last
         self.recompute = recompute and not last
         self.reset(set())
+
+    @property
+    def up(self) -> Link:
+        """The link to the stage before (activations in, gradients out)."""
+        if self._up is None:
+            raise RuntimeError(f"virtual stage {self.stage} has no link to a stage before it")
+        return self._up
+
+    @property
+    def down(self) -> Link:
+        """The link to the stage after (activations out, gradients in)."""
+        if self._down is None:
+            raise RuntimeError(f"virtual stage {self.stage} has no link to a stage after it")
+        return self._down
 
     def reset(self, split: set[int | None]) -> None:
         self.inputs: dict[int, Any] = {}
@@ -200,7 +201,7 @@ class StageRuntime:
         self.opportunistic = opportunistic
         self.num_stages = num_stages
         self.where = where
-        self.observer: Observer = _Unobserved()
+        self.observer: Observer = Unobserved()
         """Told of each step and each send; the engine sets its telemetry here."""
         self.chunks = {
             c.stage: _ChunkRun(
@@ -243,10 +244,14 @@ class StageRuntime:
         *,
         loss_coef: float,
         allreduce: Callable[[], None],
+        grads: GradSync | None = None,
     ) -> tuple[list[torch.Tensor], StepTimes]:
-        """Run the step's actions; returns the detached micro-batch losses (last stage) and times."""
+        """Run the step's actions; returns the detached micro-batch losses (last stage) and times.
+        `allreduce` runs at the schedule's ALLREDUCE action; `grads`, when given, is told when each
+        chunk's last backward starts and when its weight gradients are final, so that their
+        all-reduce can start before that action."""
         with self.observer.step():
-            return self._actions(actions, micro, loss_coef, allreduce)
+            return self._actions(actions, micro, loss_coef, allreduce, grads)
 
     def _actions(
         self,
@@ -254,10 +259,15 @@ class StageRuntime:
         micro: Sequence[Mapping[str, Any]],
         loss_coef: float,
         allreduce: Callable[[], None],
+        grads: GradSync | None,
     ) -> tuple[list[torch.Tensor], StepTimes]:
         self.micro = micro
         self.loss_coef = loss_coef
         self.allreduce = allreduce
+        self.grads = grads
+        # per chunk: micro-batches whose weight gradients are not all added yet (their B, or the W
+        # of a split B, still to run); at 0 the chunk's gradients are final for this step
+        self._pending = {v: sum(1 for a in actions if a.kind == "B" and a.stage == v) for v in self.chunks}
         self.losses: list[torch.Tensor] = []
         self.times = StepTimes()
         for v, c in self.chunks.items():
@@ -434,6 +444,11 @@ class StageRuntime:
         c.grads[m] = c.down.recv_grad(m)
 
     def _do_B(self, c: _ChunkRun, m: int) -> None:
+        self._backward(c, m)
+        if m not in c.weights:  # a whole backward (or none): its weight gradients are in
+            self._weights_added(c)
+
+    def _backward(self, c: _ChunkRun, m: int) -> None:
         out = c.outputs.pop(m)
         if c.last:
             pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(out * self.loss_coef, None)]
@@ -446,7 +461,11 @@ class StageRuntime:
             return
         if m in c.split and self._split_backward(c, m, pairs):
             return
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.grads is not None and self._pending[c.stage] == 1:  # the chunk's last weight gradients
+            with self.grads.final_pass(c.stage):
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        else:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
     def _split_backward(
         self, c: _ChunkRun, m: int, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -478,6 +497,13 @@ class StageRuntime:
         weights = c.weights.pop(m, None)
         if weights is not None:  # None: B(m) could not split and did the whole backward
             weights.run()
+            self._weights_added(c)
+
+    def _weights_added(self, c: _ChunkRun) -> None:
+        """One more micro-batch's weight gradients of chunk `c` are in; after its last, they are final."""
+        self._pending[c.stage] -= 1
+        if self._pending[c.stage] == 0 and self.grads is not None:
+            self.grads.stage_done(c.stage)
 
     # the user's forward ------------------------------------------------------------------------
     def _forward(self, c: _ChunkRun, m: int, inputs: Any, *, grad: bool) -> Any:
@@ -489,7 +515,7 @@ class StageRuntime:
         stand_ins = self._stand_ins[c.stage]
         self._current = c
         try:
-            with torch.set_grad_enabled(grad), self.autocast(), _handling(cuts), stand_ins:
+            with torch.set_grad_enabled(grad), self.autocast(), handling(cuts), stand_ins:
                 result = self.model(**self.micro[m])
         except _StageDone:
             done = True

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna._files import write_json_atomic
+from varuna.comm.links import Link
 from varuna.comm.rendezvous import group_timeout
 from varuna.cut.cutpoint import CONTAINERS, CutPoint
 from varuna.cut.partition import (
@@ -334,11 +335,11 @@ def pipeline_links(
     stage: int,
     replica: int,
     device: torch.device,
-) -> tuple[list[tuple[Any, Any]], Any]:
+) -> tuple[list[tuple[Link | None, Link | None]], Any]:
     """This rank's (up, down) links per chunk (`chunk_links`), and the `Courier` they share where the
     links are serial (NCCL: just-in-time batches on one group per pipeline, `varuna.comm.serial`,
     planned from `schedule`), else None."""
-    from varuna.comm.links import boundary_groups
+    from varuna.comm.groups import boundary_groups
     from varuna.comm.serial import Courier, plan, replica_group, wanted
 
     e = config.engine
@@ -365,9 +366,9 @@ def chunk_links(
     groups: dict[int, tuple[Any, Any]] | None = None,
     *,
     courier: Any = None,
-) -> list[tuple[Any, Any]]:
+) -> list[tuple[Link | None, Link | None]]:
     """For each virtual stage this rank holds, its (up, down) links: a `P2P` to the ranks holding the
-    neighbouring stages (one per chunk, on tags and `groups` of its own: `varuna.comm.links`), or a
+    neighbouring stages (one per chunk, on tags and `groups` of its own: `varuna.comm.groups`), or a
     `LocalLink` where the neighbour is a chunk of this rank. With one chunk per rank: one P2P. With a
     `courier` (`varuna.comm.serial`), `SerialLink`s through it instead of P2Ps."""
     from varuna.comm.local import LocalLink
@@ -376,7 +377,7 @@ def chunk_links(
 
     groups = groups or {}
 
-    def make(prev: int | None, nxt: int | None, device: torch.device, stage: int, **kw: Any) -> Any:
+    def make(prev: int | None, nxt: int | None, device: torch.device, stage: int, **kw: Any) -> Link:
         if courier is not None:  # `varuna.comm.serial`: every link of this rank through one courier
             return SerialLink(prev, nxt, device, courier, stage)
         return P2P(prev, nxt, device, **kw)
@@ -400,7 +401,7 @@ def chunk_links(
     for v in stages:
         prev = None if v == 0 or v in local else global_rank(v - 1)
         nxt = None if v == num_stages - 1 or v + 1 in local else global_rank(v + 1)
-        link: Any = (
+        link: Link | None = (
             make(prev, nxt, device, v, tags=(v, v + 1), up=groups.get(v - 1), down=groups.get(v))
             if prev is not None or nxt is not None
             else None

@@ -164,8 +164,8 @@ def resume(
     rng_key = f"rng.rank{rank}"
     if rng_key in stored:
         tensors[rng_key] = torch.empty(stored[rng_key][0], dtype=stored[rng_key][1])
-    # Every rank reads its own tensors. (Replica 0 reading once per stage and broadcasting was
-    # measured slower here: 4.4 s of gloo broadcasts for a 1.2 GB checkpoint against ~0 s saved.)
+    # Every rank reads its own tensors: replica 0 reading once per stage and broadcasting costs more
+    # in gloo broadcasts than the shared read saves (docs/benchmarks/findings.md).
     ckpt.load_tensors(path, tensors | optim)
     if rng_key in tensors:
         torch.set_rng_state(tensors[rng_key])

@@ -35,11 +35,11 @@ from typing import IO, Any, Literal, TextIO
 
 from varuna._files import write_json_atomic
 from varuna.comm.rendezvous import check_mpi4py
-from varuna.errors import ConfigError, LaunchError
+from varuna.errors import ConfigError, LaunchError, check_int
 from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.pids import check_status, job_processes, pid_alive, terminate
-from varuna.launch.postmortem import _shown, read_reports, show_stacks, summarise
+from varuna.launch.postmortem import read_reports, show_stacks, shown, summarise
 from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun_command
 from varuna.telemetry.straggler_watch import StragglerWatch, watch_config
 
@@ -141,8 +141,7 @@ def mpiexec_command(
 
 def _validate(script_argv: list[str], pipeline: int, data: int, hostfile: Path | None) -> None:
     for name, value in (("pipeline", pipeline), ("data", data)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"--{name} must be an integer >= 1 (got {value!r})")
+        check_int(value, name, message=f"--{name} must be an integer >= 1 (got {value!r})")
     if not script_argv or script_argv == ["-m"]:
         raise ConfigError("nothing to run: give a script (`varuna run ... train.py`) or `-m package.module`")
     if script_argv[0] == "-m":
@@ -259,7 +258,7 @@ class Job:
         self._console = open(self.run_dir / "logs" / "console.log", "ab")  # noqa: SIM115
         shape = f"pipeline {self.pipeline} x data {self.data}"
         where = f", srun in {self.slurm.describe()}" if self.slurm is not None else ""
-        print(f"varuna: {self.world} ranks ({shape}), run dir {_shown(self.run_dir)}{where}", file=self.err)
+        print(f"varuna: {self.world} ranks ({shape}), run dir {shown(self.run_dir)}{where}", file=self.err)
         self.err.flush()
         self._proc = subprocess.Popen(
             cmd,

@@ -15,7 +15,7 @@ from varuna.comm.rendezvous import placement
 from varuna.launch.pids import check_status
 from varuna.launch.signals import STACKS_SIGNAL
 
-__all__ = ["read_reports", "show_stacks", "summarise"]
+__all__ = ["read_reports", "show_stacks", "summarise", "shown"]
 
 # Hydra's "PID 123 RUNNING AT host / EXIT CODE: 9 ... (signal 9)": *a* rank that died of a signal,
 # not necessarily the first (it often names one that it killed itself).
@@ -39,7 +39,7 @@ def _ranks(ranks: set[int] | list[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, sorted(ranks)))
 
 
-def _shown(path: Path) -> Path:
+def shown(path: Path) -> Path:
     """``path`` relative to the working directory when it lies inside it."""
     return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
@@ -83,7 +83,7 @@ def summarise(
     def where(rank: int) -> tuple[str, str]:
         stage, replica = placement(rank, pipeline)
         log = run_dir / "logs" / f"rank{rank}.log"
-        return f"rank {rank} (stage {stage}, replica {replica})", str(_shown(log))
+        return f"rank {rank} (stage {stage}, replica {replica})", str(shown(log))
 
     def death(rank: int) -> str:
         who, log = where(rank)
@@ -134,7 +134,7 @@ def summarise(
         missing = sorted(set(range(world)) - set(statuses))
         if missing:
             lines.append(f"varuna: {_ranks(missing)} never started (see the output above)")
-        lines.append(f"varuna: {launcher} exited with code {mpiexec_code} — logs: {_shown(run_dir / 'logs')}")
+        lines.append(f"varuna: {launcher} exited with code {mpiexec_code} — logs: {shown(run_dir / 'logs')}")
     return lines
 
 

@@ -38,7 +38,7 @@ from varuna.launch.exits import MORPH_EXIT
 from varuna.launch.pids import identity
 from varuna.launch.signals import STACKS_SIGNAL, remember_early_stops
 
-__all__ = ["LineTee", "main"]
+__all__ = ["LineTee", "main", "run_target"]
 
 # "\r\n" is one terminator, so a trailing "\r" waits for the next write to see whether "\n" follows.
 _TERMINATOR = re.compile(r"\r\n|\n|\r(?=[^\n])")
@@ -195,7 +195,7 @@ def _format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _run_target(argv: list[str]) -> None:
+def run_target(argv: list[str]) -> None:
     """Run ``script.py args`` or ``-m module args`` as ``python`` would run them."""
     if argv[0] == "-m":
         if len(argv) < 2:
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             log = _install_tee(me, real_out, real_err)
             me.status("running", argv=argv)
         os.environ["VARUNA_LAUNCHED"] = "1"
-        _run_target(argv)
+        run_target(argv)
     except SystemExit as exc:
         code = _exit_code(exc)
         if code and code != MORPH_EXIT:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from varuna.errors import PlanError
+from varuna.errors import PlanError, is_int
 from varuna.planner.network import NetworkCost
 
 __all__ = ["Cluster", "Links", "INTER_BANDWIDTH_BPS", "INTER_LATENCY_S"]
@@ -56,7 +56,7 @@ class Cluster:
     """Seconds of a minimal message within a host; None: the profile's point-to-point latency."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 1:
+        if not is_int(self.gpus_per_host) or self.gpus_per_host < 1:
             raise PlanError(
                 f"gpus_per_host = {self.gpus_per_host!r}: give the number of GPUs on each host, at least 1 "
                 "(e.g. --gpus-per-host 8)"

@@ -28,7 +28,7 @@ from typing import Any
 from varuna._files import write_json_atomic
 from varuna.cut.signature import model_signature
 from varuna.errors import ConfigError
-from varuna.planner._json import _check_per_size, _field, _int_keys
+from varuna.planner._json import check_per_size, int_keys, required_field
 from varuna.planner.network import NetworkCost, slowdown_of
 
 __all__ = [
@@ -77,7 +77,7 @@ class SegmentCost:
             table = getattr(self, name)
             if table is None:
                 continue
-            _check_per_size(table, f"SegmentCost.{name}")
+            check_per_size(table, f"SegmentCost.{name}")
             if set(table) != sizes:
                 raise ConfigError(
                     f"SegmentCost.{name} has micro-batch sizes {sorted(table)} but forward_s has "
@@ -116,27 +116,30 @@ class SegmentCost:
         recompute = data.get("recompute_s")
         return cls(
             forward_s={
-                k: float(v) for k, v in _int_keys(_field(data, "forward_s", what), "forward_s").items()
+                k: float(v) for k, v in int_keys(required_field(data, "forward_s", what), "forward_s").items()
             },
             backward_s={
-                k: float(v) for k, v in _int_keys(_field(data, "backward_s", what), "backward_s").items()
+                k: float(v)
+                for k, v in int_keys(required_field(data, "backward_s", what), "backward_s").items()
             },
             recompute_s=None
             if recompute is None
-            else {k: float(v) for k, v in _int_keys(recompute, "recompute_s").items()},
+            else {k: float(v) for k, v in int_keys(recompute, "recompute_s").items()},
             activation_bytes={
                 k: int(v)
-                for k, v in _int_keys(_field(data, "activation_bytes", what), "activation_bytes").items()
+                for k, v in int_keys(
+                    required_field(data, "activation_bytes", what), "activation_bytes"
+                ).items()
             },
             activation_memory_bytes={
                 k: int(v)
-                for k, v in _int_keys(
-                    _field(data, "activation_memory_bytes", what), "activation_memory_bytes"
+                for k, v in int_keys(
+                    required_field(data, "activation_memory_bytes", what), "activation_memory_bytes"
                 ).items()
             },
-            param_bytes=int(_field(data, "param_bytes", what)),
-            grad_bytes=int(_field(data, "grad_bytes", what)),
-            optimizer_bytes=int(_field(data, "optimizer_bytes", what)),
+            param_bytes=int(required_field(data, "param_bytes", what)),
+            grad_bytes=int(required_field(data, "grad_bytes", what)),
+            optimizer_bytes=int(required_field(data, "optimizer_bytes", what)),
             update_s=float(data.get("update_s", 0.0)),
         )
 
@@ -254,17 +257,16 @@ class CostTable:
                 "re-run `varuna profile`"
             )
         return cls(
-            model_signature=str(_field(data, "model_signature", what)),
-            segments=[SegmentCost.from_json(s) for s in _field(data, "segments", what)],
-            network=NetworkCost.from_json(_field(data, "network", what)),
-            micro_batch_sizes=[int(m) for m in _field(data, "micro_batch_sizes", what)],
+            model_signature=str(required_field(data, "model_signature", what)),
+            segments=[SegmentCost.from_json(s) for s in required_field(data, "segments", what)],
+            network=NetworkCost.from_json(required_field(data, "network", what)),
+            micro_batch_sizes=[int(m) for m in required_field(data, "micro_batch_sizes", what)],
             device=str(data.get("device", "cpu")),
             precision=str(data.get("precision", "fp32")),
             created=float(data.get("created", 0.0)),
             tied_bytes=int(data.get("tied_bytes", 0)),
             compute_slowdown={
-                n: float(f)
-                for n, f in _int_keys(data.get("compute_slowdown", {}), "compute_slowdown").items()
+                n: float(f) for n, f in int_keys(data.get("compute_slowdown", {}), "compute_slowdown").items()
             },
             action_overhead_s=float(data.get("action_overhead_s", 0.0)),
         )

@@ -8,7 +8,7 @@ share; under 1F1B the drain is a chain of whole backwards, and balance is the be
 (`varuna.planner.simulator`) times exactly the lists the engine runs, so the fitted cut is the
 one it predicts fastest for this schedule, these costs and this number of micro-batches.
 
-    fit_boundaries(costs, (8,), "zb-h1", 2, 8)     # (9,) on the bench GPT's profile
+    fit_boundaries(costs, (8,), "zb-h1", 2, 8)     # the fitted boundaries, e.g. (9,)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 
 from varuna.errors import PlanError
-from varuna.planner.costs import CostTable, SegmentCost
+from varuna.planner.costs import SegmentCost
 
 _UNITS = {
     "b": 1,
@@ -57,18 +57,6 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
-
-
-def _memory(
-    table: CostTable,
-    stages: list[range],
-    mbs: int,
-    recompute: bool,
-    inflight: list[int],
-    split_backward: bool = False,
-) -> list[int]:
-    """`stage_memory` of a profile's segments."""
-    return stage_memory(table.segments, table.tied_bytes, stages, mbs, recompute, inflight, split_backward)
 
 
 def stage_memory(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from varuna.errors import ConfigError
-from varuna.planner._json import _field, _int_keys
+from varuna.planner._json import int_keys, required_field
 
 __all__ = ["NetworkCost", "MESSAGE_KINDS", "slowdown_of"]
 
@@ -73,14 +73,14 @@ class NetworkCost:
     e.g. ranks 0 and 1 on different hosts: then DELAY_F / DELAY_B of `message_s` apply). On a
     host with fewer cores than busy ranks the scheduler, not the wire, sets it. Optional "SEND_F" /
     "SEND_B": seconds a send keeps the sending stage busy while n - 1 other ranks compute (on an
-    oversubscribed host the woken receiver and the transport threads take the sender's core; 4
-    ranks on 2 cores: ~1 ms per send where `message_s` says 0.1); missing: `message_s`."""
+    oversubscribed host the woken receiver and the transport threads take the sender's core, so a
+    send there can cost many times what `message_s` says); missing: `message_s`."""
     message_cpu: list[tuple[int, float]] = field(default_factory=list)
     """(bytes, seconds) points: CPU time one point-to-point message of that size costs the two ranks
     together (encoding, the transport's threads on both sides, decoding), measured as process CPU
     time over round trips of the runtime's own transfer code. On a host with fewer cores than busy
-    ranks this work takes core time from the stages computing there (`varuna.planner.sharing`); ~0.3 ms
-    for 64 KiB and ~0.5 ms for 256 KiB with gloo on CPU. [] means unmeasured: 0."""
+    ranks this work takes core time from the stages computing there (`varuna.planner.sharing`).
+    [] means unmeasured: 0."""
     reports_arrival: bool = True
     """Whether a posted receive says "completed" once its message is there, before it is waited
     for. The runtime's pull-ahead (Varuna's schedule) asks exactly that; gloo's receives say
@@ -200,21 +200,21 @@ class NetworkCost:
     def from_json(cls, data: Mapping[str, Any]) -> NetworkCost:
         """Inverse of `to_json`."""
         what = "the profile's network section"
-        allreduce = _int_keys(data.get("allreduce", {}), "allreduce")
-        by_world = _int_keys(data.get("allreduce_by_world", {}), "allreduce_by_world")
+        allreduce = int_keys(data.get("allreduce", {}), "allreduce")
+        by_world = int_keys(data.get("allreduce_by_world", {}), "allreduce_by_world")
         return cls(
-            p2p_latency_s=float(_field(data, "p2p_latency_s", what)),
-            p2p_bandwidth_Bps=float(_field(data, "p2p_bandwidth_Bps", what)),
+            p2p_latency_s=float(required_field(data, "p2p_latency_s", what)),
+            p2p_bandwidth_Bps=float(required_field(data, "p2p_bandwidth_Bps", what)),
             allreduce={g: [(int(b), float(t)) for b, t in pts] for g, pts in allreduce.items()},
             allreduce_by_world={
-                w: {g: [(int(b), float(t)) for b, t in pts] for g, pts in _int_keys(curves, "groups").items()}
+                w: {g: [(int(b), float(t)) for b, t in pts] for g, pts in int_keys(curves, "groups").items()}
                 for w, curves in by_world.items()
             },
             message_s={str(k): float(v) for k, v in data.get("message_s", {}).items()},
             reports_arrival=bool(data.get("reports_arrival", True)),
             delivery_s={
                 n: {str(k): float(v) for k, v in d.items()}
-                for n, d in _int_keys(data.get("delivery_s", {}), "delivery_s").items()
+                for n, d in int_keys(data.get("delivery_s", {}), "delivery_s").items()
             },
             message_cpu=[(int(b), float(t)) for b, t in data.get("message_cpu", [])],
             gpus_per_host=int(data.get("gpus_per_host", 0)),

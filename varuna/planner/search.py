@@ -42,7 +42,7 @@ from varuna.planner.chunked import chunked_candidate, chunked_misfit
 from varuna.planner.cluster import Cluster, Links
 from varuna.planner.costs import STEP_ALLREDUCE_BYTES, CostTable
 from varuna.planner.fast import inflight_in_order, lowered
-from varuna.planner.memory import _memory, format_bytes, parse_memory
+from varuna.planner.memory import format_bytes, parse_memory, stage_memory
 from varuna.planner.result import Candidate, PlanResult, Rejected
 from varuna.planner.simulator import Sharing, StageCost, simulate_lowered
 from varuna.schedule import SCHEDULES, ScheduleName, schedule_spec
@@ -57,6 +57,7 @@ __all__ = [
     "predict",
     "parse_memory",
     "format_bytes",
+    "runs_as",
 ]
 
 
@@ -170,7 +171,7 @@ def plan(
             for schedule, recompute in _pairs(schedules, recompute_options, pipeline):
                 if misfits[schedule] is not None:
                     continue
-                same = _runs_as(schedule, pipeline, microbatches, recompute)
+                same = runs_as(schedule, pipeline, microbatches, recompute)
                 if same in seen:
                     continue
                 seen.add(same)
@@ -290,7 +291,7 @@ def _pairs(
 
 
 @lru_cache(maxsize=256)
-def _runs_as(schedule: ScheduleName, pipeline: int, microbatches: int, recompute: bool) -> tuple[Any, ...]:
+def runs_as(schedule: ScheduleName, pipeline: int, microbatches: int, recompute: bool) -> tuple[Any, ...]:
     """What the runtime does for `schedule` at a shape: its lowered action lists, and whether it
     pulls forwards ahead (Varuna's, with a stage to wait for)."""
     lists = lowered(schedule, pipeline, microbatches, recompute=recompute)
@@ -357,8 +358,14 @@ class _Shape:
 
     def memory(self, recompute: bool, inflight: list[int], split_backward: bool) -> list[int]:
         """Bytes per stage with `inflight` micro-batches held at the peak."""
-        return _memory(
-            self.table, self.stages, self.mbs, recompute, inflight, split_backward and self.pipeline > 1
+        return stage_memory(
+            self.table.segments,
+            self.table.tied_bytes,
+            self.stages,
+            self.mbs,
+            recompute,
+            inflight,
+            split_backward and self.pipeline > 1,
         )
 
     def evaluate(

@@ -14,7 +14,7 @@ too; where the table has the send costs by busy count too (SEND_F / SEND_B), a s
 busy that long. With `Sharing.message_cpu_s`, every message also does that much CPU work on the
 host (the transport's threads on both sides): from its send on it counts as one more busy rank per
 replica, for as long as that work takes at the host's rate, so the stages computing meanwhile slow
-down (the README's planner section gives the measured share of a step).
+down (docs/benchmarks/planner.md shows what counting that work does to the planner's error).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from varuna.planner.costs import CostTable
 from varuna.planner.network import slowdown_of
 from varuna.schedule import WORK_KINDS, Span
 
-__all__ = ["Sharing"]
+__all__ = ["Sharing", "Delays", "stretch_all", "shared_updates"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,7 +106,7 @@ class _Computing:
         return n
 
 
-class _Delays:
+class Delays:
     """Delivery delays from the busy stages of a previous pass (none yet: the sender alone)."""
 
     def __init__(self, sharing: Sharing, spans: list[list[Span]] | None) -> None:
@@ -146,7 +146,7 @@ def _messages_busy(spans: list[list[Span]], busy: _Computing, sharing: Sharing) 
     return out
 
 
-def _stretch_all(
+def stretch_all(
     spans: list[list[Span]], work: Callable[[int, str, int], float], sharing: Sharing
 ) -> dict[tuple[int, str, int], float]:
     """Each compute action's duration under processor sharing, against the overlaps in `spans`
@@ -202,7 +202,7 @@ def _finish(start: float, work: float, edges: _Edges, sharing: Sharing) -> float
         i, others = edges.at(t)
 
 
-def _shared_updates(updates: list[float], sharing: Sharing) -> list[float]:
+def shared_updates(updates: list[float], sharing: Sharing) -> list[float]:
     """When each stage's parameter update ends if all start at once and share the cores."""
     left = {s: w for s, w in enumerate(updates) if w > 0}
     done = [0.0] * len(updates)

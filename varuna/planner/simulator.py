@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from varuna.errors import ScheduleError
 from varuna.planner.fast import StageQueue, run_in_order
-from varuna.planner.sharing import Sharing, _Delays, _shared_updates, _stretch_all
+from varuna.planner.sharing import Delays, Sharing, shared_updates, stretch_all
 from varuna.planner.timeline import StageCost, Timeline
 from varuna.schedule import (
     WEIGHT_KIND,
@@ -187,7 +187,7 @@ def simulate_lowered(
     delay = None
     if sharing is not None and sharing.delivery:
         messages = {k: v for k, v in messages.items() if not k.startswith("DELAY")}
-        delay = _Delays(sharing, None)
+        delay = Delays(sharing, None)
     previous_delays: list[float] | None = None
     chunked = several_chunks(schedule)  # the event simulation then (run_in_order: a stage per rank)
     if in_order and not opportunistic and not shared and delay is None and not chunked:  # by stage
@@ -201,13 +201,13 @@ def simulate_lowered(
         moved = False
         if delay is not None:
             assert sharing is not None
-            used, delay = delay.used, _Delays(sharing, sim.spans)
+            used, delay = delay.used, Delays(sharing, sim.spans)
             moved = used != previous_delays
             previous_delays = used
         if not shared:
             break
         assert sharing is not None
-        stretched = _stretch_all(sim.spans, sim.work, sharing)
+        stretched = stretch_all(sim.spans, sim.work, sharing)
         last, change = (
             change,
             max(
@@ -222,7 +222,7 @@ def simulate_lowered(
         ):  # not shrinking: swinging between two overlaps; take smaller steps
             step = max(step / 2, 0.125)
         durations = {k: durations.get(k, d) + step * (d - durations.get(k, d)) for k, d in stretched.items()}
-    update_end = _shared_updates(updates, sharing) if shared and sharing is not None else updates
+    update_end = shared_updates(updates, sharing) if shared and sharing is not None else updates
     return _timeline(schedule, sim.spans, name, num_microbatches, final_allreduce_s, update_end)
 
 
@@ -275,7 +275,7 @@ class _Simulation:
         durations: Mapping[tuple[int, str, int], float] | None = None,
         messages: Mapping[str, float] | None = None,
         sees_arrivals: bool = True,
-        delay: _Delays | None = None,
+        delay: Delays | None = None,
     ) -> None:
         self.messages = messages or {}
         self.delay = delay

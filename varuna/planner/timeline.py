@@ -27,9 +27,9 @@ class StageCost:
     """A split backward's input half (B before its W), as a share of `backward_s`."""
     weight_share: float = 0.5
     """A split backward's weight half (W), as a share of `backward_s`. The two shares add up to more
-    than 1: splitting costs a second pass over part of the graph. Both measured in the engine on the
-    bench GPT's ZB-V chunks on CPU (the last rank's B and W spans over its whole backwards when run
-    unsplit: 0.645 and 0.50; outside a pipeline, one stage timed alone, 0.68-0.79 and 0.45-0.49)."""
+    than 1: splitting costs a second pass over part of the graph. Both defaults are chosen against
+    the engine's own B and W spans over its whole backward in a pipeline on a CPU host (the
+    benchmark GPT's ZB-V chunks; docs/benchmarks/findings.md has the figures)."""
 
     def seconds(self, kind: str, *, split: bool = False) -> float:
         """The cost of a compute action of `kind` ("F", "B", "R" or "W"); `split`: a B whose

@@ -4,8 +4,8 @@ The profile measures each segment's compute inside one whole pass of the model, 
 with the runtime's transfer code between two ranks. A pipelined stage costs more than that: it
 enters the model once per action (not once per pass), its messages keep the transport's threads
 busy on a loaded host, and each step has bookkeeping of its own. A pipeline whose compute is a
-spin loop of exactly known cost shows that work directly; without this term the planner came out
-short for every pipelined shape and right for 1 x D (the README's planner section has the figures).
+spin loop of exactly known cost shows that work directly; without this term the planner predicts
+every pipelined shape too short and 1 x D right (docs/benchmarks/planner.md has the figures).
 
 `fit_action_overhead` runs the real engine on every rank of the job as one pipeline (P = world,
 1F1B, 2P micro-batches of one row) whose stages spin for an exact CPU time each action: the
@@ -13,8 +13,8 @@ profiled model's forward and backward split evenly over the stages, so the host 
 in a real run. It then finds the seconds `c` that, added to every compute action of that same
 pipeline in `varuna.planner.search.predict` (with the job's measured network and the host's cores shared
 fairly), make the prediction equal the measured step. The planner adds `c` to every action of
-every pipelined configuration (`CostTable.action_overhead_s`). The values it takes and what it does
-to the planner's error are measured in the README's planner section.
+every pipelined configuration (`CostTable.action_overhead_s`). docs/benchmarks/planner.md gives the
+values it takes and what it does to the planner's error.
 
 Collective: every rank calls it. CPU (gloo) only: on CUDA the compute runs on the devices and a
 CPU spin would stand for nothing there, so the result is 0 (unmeasured).

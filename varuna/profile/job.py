@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from varuna.errors import ConfigError
-from varuna.profile.measure import PROFILE_FILE, _check_sizes, run_profile
+from varuna.errors import ConfigError, check_int
+from varuna.profile.measure import PROFILE_FILE, check_sizes, run_profile
 
 __all__ = ["main", "launch_profile", "parse_sizes"]
 
@@ -48,12 +48,12 @@ def _capture(argv: list[str]) -> tuple[nn.Module, dict[str, Any]]:
     """Run ``script.py args`` (or ``-m module args``) until it constructs `varuna.Varuna`."""
     import varuna
     import varuna.engine.engine
-    from varuna.launch.worker import _run_target
+    from varuna.launch.worker import run_target
 
     saved = (varuna.__dict__.get("Varuna"), varuna.engine.engine.Varuna)
     varuna.Varuna = varuna.engine.engine.Varuna = _StandIn  # type: ignore[misc,assignment]
     try:
-        _run_target(argv)
+        run_target(argv)
     except _Captured as got:
         return got.model, got.options
     finally:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
 def parse_sizes(text: str) -> list[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]``; ConfigError naming the flag on anything else."""
     try:
-        return _check_sizes([int(part) for part in text.split(",") if part.strip()])
+        return check_sizes([int(part) for part in text.split(",") if part.strip()])
     except ValueError:
         raise ConfigError(
             f"--micro-batch-sizes {text!r}: give comma-separated positive integers, e.g. 1,2,4"
@@ -122,13 +122,14 @@ def launch_profile(
     """
     from varuna.launch.job import run_job
 
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 2:
-        raise ConfigError(f"--gpus {gpus!r}: profiling the network needs at least 2 ranks")
+    check_int(
+        gpus, "--gpus", minimum=2, message=f"--gpus {gpus!r}: profiling the network needs at least 2 ranks"
+    )
     if not script_argv or script_argv == ["-m"]:
         raise ConfigError("nothing to profile: give the training script (`varuna profile train.py ...`)")
     if script_argv[0] != "-m" and not Path(script_argv[0]).is_file():
         raise ConfigError(f"script not found: {script_argv[0]} (relative to {os.getcwd()})")
-    sizes = _check_sizes(micro_batch_sizes)
+    sizes = check_sizes(micro_batch_sizes)
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats}: time at least one pass per micro-batch size")
     run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("profile-%Y%m%d-%H%M%S")

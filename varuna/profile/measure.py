@@ -47,18 +47,19 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
-from varuna.cut.cutpoint import CutPoint, _handling, model_loss
+from varuna.cut.cutpoint import CutPoint, handling, model_loss
 from varuna.cut.partition import trace_model
 from varuna.engine.precision import autocast_policy
 from varuna.errors import ConfigError
 from varuna.planner.costs import CostTable, NetworkCost, SegmentCost, model_signature
 from varuna.profile.calibrate import fit_action_overhead
-from varuna.profile.memory import param_split
+from varuna.profile.memory import param_split, tensor_bytes
 from varuna.profile.network import NETWORK_SIZES, profile_network
-from varuna.profile.passes import _device_of, _micro_batch, _micro_len, _preserved
+from varuna.profile.passes import device_of, micro_batch, micro_len, preserved
 from varuna.profile.slowdown import measure_slowdown
 
 __all__ = [
+    "check_sizes",
     "profile_model",
     "profile_table",
     "profile_network",
@@ -70,10 +71,6 @@ __all__ = [
 ]
 
 PROFILE_FILE = "profile.json"
-
-
-def _nbytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 class _Clock:
@@ -92,7 +89,7 @@ class _Clock:
     def on_cut(self, cut: CutPoint, value: Any) -> Any:
         index = len(self.marks)
         self.marks.append(self.now())
-        self.bytes.append(_nbytes(value))
+        self.bytes.append(tensor_bytes(value))
         grads = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads:
             grads[0].register_hook(lambda g, i=index: self.grad.__setitem__(i, self.now()))
@@ -131,7 +128,8 @@ def _diffs(marks: Sequence[float]) -> list[float]:
     return [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
 
 
-def _check_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
+def check_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
+    """The micro-batch sizes to profile, sorted; ConfigError unless they are distinct positive integers."""
     sizes = [int(m) for m in micro_batch_sizes]
     if not sizes or any(m < 1 for m in sizes) or len(set(sizes)) != len(sizes):
         raise ConfigError(
@@ -151,26 +149,26 @@ def _profile(
     progress: bool = True,
 ) -> tuple[list[SegmentCost], int]:
     """The segments' costs and the bytes of weights used in several segments."""
-    sizes = _check_sizes(micro_batch_sizes)
+    sizes = check_sizes(micro_batch_sizes)
     if repeats < 1:
         raise ConfigError(f"repeats = {repeats}; profile at least once (repeats >= 1)")
-    device = _device_of(model)
+    device = device_of(model)
     autocast = autocast_policy(precision, device.type)
     sync: Callable[[], None] = (
         (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     )
-    trace = trace_model(model, _micro_batch(example_batch, sizes[0], device))
+    trace = trace_model(model, micro_batch(example_batch, sizes[0], device))
     k = len(trace.cut_names)
     split, tied = param_split(model, trace.param_segments, k + 1, optimizer_bytes_per_param)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def forward(clock: _Clock, micro: dict[str, Any]) -> Any:
-        with _handling(clock), autocast():
+        with handling(clock), autocast():
             loss = model_loss(model(**micro))
         if len(clock.marks) != k:
             raise ConfigError(
                 f"the model called {len(clock.marks)} CutPoints at micro-batch size "
-                f"{_micro_len(micro)} but {k} when traced; every CutPoint must be called once per forward"
+                f"{micro_len(micro)} but {k} when traced; every CutPoint must be called once per forward"
             )
         return loss
 
@@ -185,11 +183,11 @@ def _profile(
         disable=not progress,
         mininterval=0.5,
     )
-    with _preserved(model), bar:
+    with preserved(model), bar:
         for p in model.parameters():  # the engine's backward adds into zeroed bucket views
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         for m in sizes:
-            micro = _micro_batch(example_batch, m, device)
+            micro = micro_batch(example_batch, m, device)
             for rep in range(repeats + 1):
                 clock = _Clock(sync)
                 saved = _SavedBytes(clock, param_storages, k + 1)
@@ -321,12 +319,12 @@ def profile_table(
     """`profile_model(model, example_batch, **options)` with `network`, the model's signature, its
     tied bytes and `compute_slowdown` (from `measure_slowdown`), as the `CostTable` the planner reads."""
     segments, tied = _profile(model, example_batch, **options)
-    device = _device_of(model)
+    device = device_of(model)
     return CostTable(
         model_signature=model_signature(model),
         segments=segments,
         network=network,
-        micro_batch_sizes=_check_sizes(options.get("micro_batch_sizes", (1, 2, 4))),
+        micro_batch_sizes=check_sizes(options.get("micro_batch_sizes", (1, 2, 4))),
         device=f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type,
         precision=str(options.get("precision", "fp32")),
         created=time.time(),
@@ -360,7 +358,7 @@ def run_profile(
 
     rank, world = init_distributed()
     network = profile_network()
-    slowdown = measure_slowdown(model, example_batch, micro_batch_size=min(_check_sizes(micro_batch_sizes)))
+    slowdown = measure_slowdown(model, example_batch, micro_batch_size=min(check_sizes(micro_batch_sizes)))
     box: list[Any] = [None]
     if rank == 0:
         table = profile_table(

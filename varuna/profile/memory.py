@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from varuna.cut.cutpoint import CutPoint, _handling
+from varuna.cut.cutpoint import CutPoint, handling
 from varuna.cut.partition import FollowMeta, Trace
 from varuna.planner.costs import SegmentCost
 
-__all__ = ["param_split", "memory_segments", "MetaForwardError", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["param_split", "memory_segments", "tensor_bytes", "MetaForwardError", "OPTIMIZER_STATE_BYTES"]
 
 OPTIMIZER_STATE_BYTES = {"adam": 2, "momentum": 1, "none": 0}
 """Optimizer state per parameter, in parameters' worth of bytes (`EngineConfig.optimizer_state`)."""
@@ -61,6 +61,11 @@ def param_split(
     return split, tied
 
 
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in `value` (a tensor, or any nest of lists, tuples and dicts of them)."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
     return storage._cdata, storage.nbytes()
@@ -79,9 +84,7 @@ class _Segments:
 
     def on_cut(self, cut: CutPoint, value: Any) -> Any:
         index = min(self.segment, len(self.cut_bytes) - 1)
-        self.cut_bytes[index] = sum(
-            t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor)
-        )
+        self.cut_bytes[index] = tensor_bytes(value)
         self.segment += 1
         return value
 
@@ -151,7 +154,7 @@ def _saved_bytes(model: nn.Module, micro: Mapping[str, Any], segments: _Segments
     with (
         torch.compiler.set_stance("force_eager"),  # compiled blocks run as written: inductor has no meta
         FollowMeta(),
-        _handling(segments),
+        handling(segments),
         torch.autograd.graph.saved_tensors_hooks(segments.pack, lambda t: t),
         autocast() if autocast is not None else contextlib.nullcontext(),
     ):

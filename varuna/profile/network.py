@@ -108,7 +108,7 @@ def _messages(
     The arrival report is what the runtime's pull-ahead asks (`P2P.activation_ready`): gloo's
     receives say "not completed" until waited for, however long the message has been there.
     """
-    from varuna.comm.links import pair_link
+    from varuna.comm.groups import pair_link
 
     out = torch.zeros(6, dtype=torch.float64, device=device)
     group = dist.new_group([0, 1])  # collective: every rank of the job creates it
@@ -182,7 +182,7 @@ def _message_cpu(
     Nothing else runs then, so it is the transfer's own work; on an oversubscribed host that work
     takes core time from the computing stages (`varuna.planner.sharing`).
     """
-    from varuna.comm.links import pair_link
+    from varuna.comm.groups import pair_link
 
     out = torch.zeros(len(sizes), dtype=torch.float64, device=device)
     group = dist.new_group([0, 1])  # collective: every rank of the job creates it
@@ -227,13 +227,12 @@ def _delivery(
 
     On a host with fewer cores than busy ranks this is the scheduler's doing, not the wire's: the
     transport's threads of the computing sender and of the receiver need a core, and the waiting
-    rank needs one to wake up; seen here at 4 ranks on 2 cores, 2-7 ms per activation where the
-    idle round trip says 0.6 (when an activation's data was still sent only once the receiver
-    had read its header and asked for it; now its receive is posted early, as in the runtime).
+    rank needs one to wake up, so the delay can be several times the idle round trip. An
+    activation's receive is posted early here, as in the runtime.
     The sender stamps the value with its clock and the receiver reads the stamp when the value is
     in, so both must share a monotonic clock: ranks on one host.
     """
-    from varuna.comm.links import pair_link
+    from varuna.comm.groups import pair_link
 
     hosts = [h for h, _ in host_layout()]
     if world < 2 or hosts[0] != hosts[1]:

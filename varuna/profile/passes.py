@@ -15,8 +15,11 @@ from torch import nn
 
 from varuna.errors import ConfigError
 
+__all__ = ["micro_len", "micro_batch", "device_of", "preserved"]
 
-def _micro_len(batch: Mapping[str, Any]) -> int:
+
+def micro_len(batch: Mapping[str, Any]) -> int:
+    """The batch dimension its tensors share; ConfigError when they differ or there are none."""
     lengths = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     if not lengths or len(set(lengths.values())) > 1:
         raise ConfigError(
@@ -25,9 +28,9 @@ def _micro_len(batch: Mapping[str, Any]) -> int:
     return next(iter(lengths.values()))
 
 
-def _micro_batch(batch: Mapping[str, Any], size: int, device: torch.device) -> dict[str, Any]:
+def micro_batch(batch: Mapping[str, Any], size: int, device: torch.device) -> dict[str, Any]:
     """The first `size` rows of `batch` (rows repeat cyclically if it has fewer), on `device`."""
-    n = _micro_len(batch)
+    n = micro_len(batch)
     out: dict[str, Any] = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -37,13 +40,14 @@ def _micro_batch(batch: Mapping[str, Any], size: int, device: torch.device) -> d
     return out
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
     first = next(iter(model.parameters()), None)
     return first.device if first is not None else torch.device("cpu")
 
 
 @contextlib.contextmanager
-def _preserved(model: nn.Module) -> Iterator[None]:
+def preserved(model: nn.Module) -> Iterator[None]:
     """Leave the model's gradients and the RNG streams as they were (profiling draws dropout masks)."""
     grads = {p: p.grad for p in model.parameters()}
     rng = torch.get_rng_state()

@@ -17,7 +17,7 @@ from torch import nn
 
 from varuna.comm.rendezvous import host_layout
 from varuna.cut.cutpoint import model_loss
-from varuna.profile.passes import _device_of, _micro_batch, _preserved
+from varuna.profile.passes import device_of, micro_batch, preserved
 
 __all__ = ["measure_slowdown"]
 
@@ -39,24 +39,24 @@ def measure_slowdown(
     running at the deadline (when the others may have stopped) is not counted. Running for a fixed
     number of passes instead lets the first rank done hand its core to the rest, which reads
     sharing as cheaper than it is. A rank's time is the mean of its passes (time-slicing makes
-    some passes much longer than the typical one, and the median, which skips them, read 3 ranks
-    on 2 cores as 1.36-1.41x where sharing cannot be under 1.5x); n ranks' time is the one of
+    some passes much longer than the typical one, and the median, which skips them, reads sharing
+    as cheaper than the n / cores it cannot be under); n ranks' time is the one of
     their mean rate, the harmonic mean. The host's speed drifts over seconds, so the counts 1..world
     are measured in `rounds` interleaved rounds and each round's factors are over that round's
     lone time; the table holds the median factor of the rounds. Gradients and RNG state are left
     as they were.
 
     Where ranks 0..n-1 share one host of c < n cores, the factor is at least n / c times the
-    factor at c: each rank gets at most c / n of a core on average. Measured, it came out below
-    that bound (4 ranks on 2 cores: 1.82-2.07 against 2.06-2.2), as ranks leave the barrier at
-    different times and start their first passes with fewer others; the bound replaces it then.
+    factor at c: each rank gets at most c / n of a core on average. A measured factor can fall
+    below that bound, as ranks leave the barrier at different times and start their first passes
+    with fewer others; the bound replaces it then.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = _device_of(model)
+    device = device_of(model)
     sync: Callable[[], None] = (
         (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     )
-    micro = _micro_batch(example_batch, micro_batch_size, device)
+    micro = micro_batch(example_batch, micro_batch_size, device)
 
     def one_pass() -> float:
         sync()
@@ -66,7 +66,7 @@ def measure_slowdown(
         return time.perf_counter() - t0
 
     factors: dict[int, list[float]] = {n: [] for n in range(1, world + 1)}
-    with _preserved(model):
+    with preserved(model):
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         one_pass()  # warm-up on every rank

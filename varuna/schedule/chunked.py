@@ -109,11 +109,11 @@ def zb_v_order(
     than 2P chunk-activations (1F1B's peak on the first rank), else a W (nobody waits for it); or,
     the second priority, a ready W before that F (a W right after its B, as in ZB-V's steady state:
     the W's do not pile up at the end). The shorter timeline of the two wins (with `costs`, of each
-    activation reserve too, and of the paper's fixed order timed on them, `_paper_order`): at P = 4,
-    M = 8 the W-first order idles 5.9% of a unit-cost step, the F-first one 7.7%; with the bench
-    GPT's chunks cut at [4, 10, 13] the simulator times the list orders 1.100 s and 1.111 s and the
-    paper's 1.088 s, which is then taken. Without `costs` every action costs one tick and communication is free; the timeline is a
-    witness that the lists cannot deadlock, and `validate` checks them again. With `costs` (per
+    activation reserve too, and of the paper's fixed order timed on them, `_paper_order`): neither
+    rule is shortest everywhere (at P = 4, M = 8 on unit costs the W-first order idles less), and on
+    a real model's chunk costs the paper's order can beat both. Without `costs` every action costs
+    one tick and communication is free; the timeline is a witness that the lists cannot deadlock,
+    and `validate` checks them again. With `costs` (per
     virtual stage: the seconds of F, of the input half B and of W) the same rules run on those times:
     where the chunks differ (a light embedding chunk beside the head's, both on rank 0) the
     unit-cost order leaves the first rank waiting, 16% of a P=2, M=8 step with chunks of 0.6, 1, 1
@@ -168,11 +168,11 @@ def _best_timed(p: int, m: int, costs: tuple[Costs, ...]) -> list[list[Action]] 
     """The shortest of the timed orders that keep `reserve` = 0..P of a rank's 2P activation slots
     for its deeper chunk (a first chunk filling them all can starve the deep one: no order), with a
     ready W after or before the next F, and of the paper's fixed order timed on the same costs;
-    each with its W's fused where they fill nothing (`fuse_weights`) before they are compared: on
-    the bench GPT's measured chunk costs the first list order and the paper's both take 1.120 s
-    with every W, and 1.099 s and 1.044 s fused. Only orders within 3% of the shortest unfused
-    one are fused (the others ran 1.33-1.48 s there), and only the shortest where fusing them all
-    would time more than `_FUSE_BUDGET` actions (the planner at scale)."""
+    each with its W's fused where they fill nothing (`fuse_weights`) before they are compared, since
+    two orders equally long with every W can differ once fused. Only orders within `_NEAR` of the
+    shortest unfused one are fused (fusing takes a few percent off an order, so one further behind
+    stays behind), and only the shortest where fusing them all would time more than `_FUSE_BUDGET`
+    actions (the planner at scale)."""
     found = [
         _timed_list_schedule(p, m, 2 * p, costs, reserve, w_first)
         for w_first in (False, True)
@@ -199,9 +199,9 @@ def _fuse_work(lists: list[list[Action]]) -> int:
 
 def fuse_weights(lists: list[list[Action]], costs: tuple[Costs, ...]) -> list[list[Action]]:
     """`lists` (one per rank; `costs` from `checked_costs`) with each W whose deferral shortens nothing merged back into its B: that backward
-    then runs whole, one pass, where the split's two cost more (on CPU the two halves of the bench
-    GPT's backwards cost 1.14x a whole one). Greedy, rank by rank in list order: a W goes where the
-    lists without it take no longer on `costs`; nothing goes where a split costs nothing, nor where
+    then runs whole, one pass, where the split's two cost more (a split backward walks part of the
+    graph twice, so B + W exceeds the whole backward). Greedy, rank by rank in list order: a W goes
+    where the lists without it take no longer on `costs`; nothing goes where a split costs nothing, nor where
     the lists are so long that trying each W would take seconds (W's x actions > `_FUSE_BUDGET`:
     the planner prices such shapes with every W split)."""
     out = [list(x) for x in lists]

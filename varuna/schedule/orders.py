@@ -128,8 +128,7 @@ class ScheduleSpec:
     `varuna.schedule.split_backwards`); the engine's `split_backward` option turns it off. False for a
     schedule whose order places every W itself, and for interleaved-1f1b, whose drain is a chain of
     half-size chunks' backwards: there the split's second pass costs more than it takes off the
-    drain (simulated with the bench GPT's costs: 1480 ms a step unsplit, 1489 ms split; measured in
-    one job alternating both: the unsplit step 0.9-1.1% shorter, its last rank 30 ms less CPU)."""
+    drain (docs/benchmarks/findings.md has the simulated and measured steps)."""
     bubble: Callable[[int, int], float] = _bubble_1f1b
     """(P, M) -> the idle share of a step in theory: uniform stages, no communication, F = B = W
     (a B is then 2 units, or B and W one each where split)."""

@@ -7,7 +7,7 @@
 The engine makes three calls: `Telemetry.attach(engine)` at the end of construction (emits
 `hello` and `ready`), `poll()` before the per-step all-reduce (rank 0's `checkpoint`/`stop`
 commands ride that all-reduce, so every rank acts on the same step) and `on_step(loss, times)`.
-It is also the runtime's observer (`varuna.engine.runtime.Observer`, which the engine sets): the
+It is the engine's and the runtime's observer (`varuna.engine.observer.Observer`): the
 runtime calls `step()` around each step's actions (to count the bytes autograd saves for backward
 on sampled steps, and to report an exception as an `error` event) and `on_send` after each send;
 `attach` adds optimizer step hooks.
@@ -208,7 +208,7 @@ class Telemetry:
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
             self._sub.connect(commands)
 
-    # the runtime's observer (`varuna.engine.runtime.Observer`) -------------------------------
+    # the runtime's calls (`varuna.engine.observer.Observer`) ---------------------------------
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Around one step's actions: decide what this step records, count the bytes autograd saves
@@ -475,8 +475,8 @@ class Telemetry:
 
     def _grads_and_optimizer_bytes(self) -> tuple[int, int]:
         """Bytes of the gradients' storages and of the optimizer's state tensors (a walk over every
-        parameter: ~1 ms a step for a 100-tensor model, so `memory` redoes it only on the steps
-        that count activations, or when the optimizer or its number of states changed)."""
+        parameter, whose cost grows with the number of tensors, so `memory` redoes it only on the
+        steps that count activations, or when the optimizer or its number of states changed)."""
         engine = self._engine
         assert engine is not None
         grads: dict[int, int] = {}

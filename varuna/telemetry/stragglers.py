@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_int, check_number
 
 __all__ = ["StragglerConfig", "StragglerDetector", "ComputeGrid", "compute_grid", "ENV"]
 
@@ -66,11 +66,13 @@ class StragglerConfig:
     """With one replica: normal steps needed before a rank is judged at all."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not self.ratio > 1.0:
-            raise ConfigError(
-                f"straggler ratio must be a number > 1 (e.g. 1.3: 30% slower than its peers), got {self.ratio!r}; "
-                f"set {ENV['ratio']} or StragglerConfig(ratio=...)"
-            )
+        check_number(
+            self.ratio,
+            "ratio",
+            above=1.0,
+            message=f"straggler ratio must be a number > 1 (e.g. 1.3: 30% slower than its peers), got "
+            f"{self.ratio!r}; set {ENV['ratio']} or StragglerConfig(ratio=...)",
+        )
         for name, low, high in (
             ("steps", 1, 5),
             ("skip_steps", 0, 1000),
@@ -78,12 +80,15 @@ class StragglerConfig:
             ("min_history", 1, 10_000),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                where = f"set {ENV[name]} or " if name in ENV else ""
-                raise ConfigError(
-                    f"straggler {name} must be an integer from {low} to {high}, got {value!r}; "
-                    f"{where}StragglerConfig({name}=...)"
-                )
+            where = f"set {ENV[name]} or " if name in ENV else ""
+            check_int(
+                value,
+                name,
+                minimum=low,
+                maximum=high,
+                message=f"straggler {name} must be an integer from {low} to {high}, got {value!r}; "
+                f"{where}StragglerConfig({name}=...)",
+            )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StragglerConfig:

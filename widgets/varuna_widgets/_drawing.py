@@ -1,6 +1,6 @@
 """How the `Workbench` redraws: a throttled refresher thread and one `_draw_*` per panel.
 
-`Workbench` (`varuna_widgets.workbench`) builds the widgets and steers the job; `_Drawing`, its
+`Workbench` (`varuna_widgets.workbench`) builds the widgets and steers the job; `Drawing`, its
 base class, keeps them up to date from the controller's views. `refresh` compares each panel's key
 with the one it last drew (`_seen`) and redraws only what changed, each figure replaced whole in
 one message (`PlotView.update`).
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from varuna_widgets.plot import PlotView
     from varuna_widgets.stragglers import StragglerPanel
 
-_TERMINAL = ("stopped", "failed", "finished")
+TERMINAL_STATES = ("stopped", "failed", "finished")
+"""Job states after which nothing more happens until a restart (`Workbench.wait` returns on them)."""
 _STATE_COLOR = {
     "idle": "#666",
     "starting": "#B58900",
@@ -39,7 +40,7 @@ _STATE_COLOR = {
 }
 
 
-class _Drawing:
+class Drawing:
     """The drawing half of `Workbench`: `refresh`, its refresher thread and the panels it draws."""
 
     # Set by Workbench.__init__ and Workbench._build; declared here for the type checker only.
@@ -145,7 +146,8 @@ class _Drawing:
         self.state_line.value = self._state_html(state, shape)
         has_ckpt = self.run_dir is not None and (Path(self.run_dir) / "checkpoints" / "latest").exists()
         enabled = {
-            "Start": state == "idle" or (state in _TERMINAL and self.script is not None and not has_ckpt),
+            "Start": state == "idle"
+            or (state in TERMINAL_STATES and self.script is not None and not has_ckpt),
             "Checkpoint": state == "running",
             "Resize": state == "running",
             "Resume": state in ("stopped", "failed") and has_ckpt,

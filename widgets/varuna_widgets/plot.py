@@ -4,9 +4,9 @@
     view.update(data=[...])          # replaces the whole figure; the browser redraws the newest
 
 Why not plotly's own `FigureWidget`: it syncs deltas (`_py2js_restyle`, `_py2js_relayout`, ...)
-that its view applies on top of the state it rendered first. On a loaded machine its views were
-seen to stay blank for good while every other widget updated (the first render took ~50 s and
-the updates sent meanwhile were never drawn). Here the only synced state is `figure`, replaced
+that its view applies on top of the state it rendered first, so on a loaded machine a view whose
+first render is slow never draws the updates sent meanwhile and stays blank for good while every
+other widget updates. Here the only synced state is `figure`, replaced
 whole on every update (traitlets sends a replaced value, never a mutated one), and the view draws
 the newest value with `Plotly.react` whenever it renders or hears a change (static/plot.js).
 

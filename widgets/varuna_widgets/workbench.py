@@ -8,7 +8,7 @@
 
 Everything the job does comes through `varuna.controller.JobController` (the kernel is never an
 MPI process). A daemon thread redraws at most `refresh_hz` times a second and only what changed
-(`refresh` and the panels' drawing live in `varuna_widgets._drawing`, the base class `_Drawing`);
+(`refresh` and the panels' drawing live in `varuna_widgets._drawing`, the base class `Drawing`);
 each redraw replaces a changed figure whole, in one message (`varuna_widgets.plot.PlotView`: synced
 by replacement, drawn by plotly.js with `Plotly.react`). Buttons run their controller call on a worker thread, so a checkpoint or a
 resize never blocks the kernel; the state line always says where the job is.
@@ -35,14 +35,14 @@ from varuna.controller import JobController
 from varuna.errors import ConfigError, LaunchError
 from varuna.telemetry import Timeline
 from varuna_widgets import figures
-from varuna_widgets._drawing import _TERMINAL, _Drawing
+from varuna_widgets._drawing import TERMINAL_STATES, Drawing
 from varuna_widgets.plot import PlotView
 from varuna_widgets.stragglers import StragglerPanel
 
 __all__ = ["Workbench"]
 
 
-class Workbench(_Drawing):
+class Workbench(Drawing):
     """One job's workbench: build it with a script (then Start) or a controller, or `replay`/`attach`."""
 
     def __init__(
@@ -251,7 +251,7 @@ class Workbench(_Drawing):
         """Stop the job (with a checkpoint by default)."""
         return self._call(lambda: self._controller("stop").stop(checkpoint=checkpoint, timeout=timeout))
 
-    def wait(self, timeout: float | None = None, states: Sequence[str] = _TERMINAL) -> str:
+    def wait(self, timeout: float | None = None, states: Sequence[str] = TERMINAL_STATES) -> str:
         """Block until the job is in one of `states`; the state."""
         state = self._controller("wait").wait(timeout, states=tuple(states))
         self.refresh(force=True)
@@ -331,7 +331,7 @@ class Workbench(_Drawing):
         self._action.start()
 
     def _do_start(self) -> str:
-        if self.controller is not None and self.controller.state not in _TERMINAL:
+        if self.controller is not None and self.controller.state not in TERMINAL_STATES:
             raise LaunchError(f"the job is already {self.controller.state}")
         if self.script is None:
             raise LaunchError("this workbench was opened on a controller; it has no script to start")
