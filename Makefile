@@ -10,7 +10,7 @@ LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.varuna-installed
 
-.PHONY: install test test-quick test-multihost netns-tools slurm-tools demo bench gpu-check lab lint docs clean
+.PHONY: install test test-quick test-multihost netns-tools slurm-tools demo bench gpu-check lab lint docs docs-screenshots clean
 
 $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install docs $(CHROMIUM) netns-tools slurm-tools
+test: install lint docs $(CHROMIUM) netns-tools slurm-tools
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 # The unit tier only (tests/unit: no processes, well under a minute).
@@ -73,6 +73,12 @@ $(CHROMIUM):
 # or a docstring mkdocstrings cannot read fails the build. Nothing is fetched: it builds offline.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The docs' picture of the workbench (docs/img/workbench.png, committed): the quickstart's browser test
+# saves it while the 2x2 job runs (VARUNA_SCREENSHOTS; tests/browser/browser.py's docs_shot). 1-2 minutes.
+docs-screenshots: install $(CHROMIUM)
+	VARUNA_SCREENSHOTS=docs/img OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/browser/test_browser.py -k test_quickstart_in_the_browser
 
 lint: install
 	$(BIN)/ruff check varuna widgets tests

@@ -79,6 +79,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "browser"
+# A folder (relative to the repository) for the docs' pictures of the workbench; unset: none are saved.
+SCREENSHOTS_ENV = "VARUNA_SCREENSHOTS"
 TEST_NOTEBOOKS = Path(__file__).resolve().parent / "notebooks"
 
 CHROMIUM = "/usr/bin/chromium"
@@ -456,6 +458,35 @@ class LabPage:
         self._shots += 1
         path = self.artifacts / f"{self._shots:02d}-{_slug(step)}.png"
         self.page.screenshot(path=str(path))
+        return path
+
+    def docs_shot(self, name: str, classes: list[str], *, settle_s: float = 60.0) -> Path | None:
+        """When $VARUNA_SCREENSHOTS names a folder, save `NAME.png` there: the part of the visible
+        notebook from the first element of `classes` to the last, once every figure among them has
+        traces (waited for up to `settle_s`, never failing: this is a picture, not a check). It is how
+        `make docs-screenshots` renews docs/img/; without the variable it does nothing."""
+        folder = os.environ.get(SCREENSHOTS_ENV)
+        if not folder:
+            return None
+        elements = [self.notebook.locator(f".{c}").filter(visible=True).first for c in classes]
+        deadline = time.monotonic() + settle_s
+        plots = [c for c in classes if self.plot(c).count()]
+        while time.monotonic() < deadline and not all(self.trace_count(c) for c in plots):
+            self.page.wait_for_timeout(500)
+        self.page.wait_for_timeout(1500)  # the throttled redraw after the last update
+        elements[0].evaluate("e => e.scrollIntoView({block: 'start'})")
+        boxes = [box for box in (e.bounding_box() for e in elements) if box]
+        viewport = self.page.viewport_size or {"width": 1400, "height": 1300}
+        pad = 8
+        left = max(0.0, min(b["x"] for b in boxes) - pad)
+        top = max(0.0, min(b["y"] for b in boxes) - pad)
+        right = min(float(viewport["width"]), max(b["x"] + b["width"] for b in boxes) + pad)
+        bottom = min(float(viewport["height"]), max(b["y"] + b["height"] for b in boxes) + pad)
+        path = Path(folder) if Path(folder).is_absolute() else REPO / folder
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / f"{_slug(name)}.png"
+        clip = {"x": left, "y": top, "width": right - left, "height": bottom - top}
+        self.page.screenshot(path=str(path), clip=clip, animations="disabled")
         return path
 
     def visible_summary(self, limit: int = 1500) -> str:

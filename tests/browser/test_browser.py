@@ -117,6 +117,8 @@ def test_quickstart_in_the_browser(request: pytest.FixtureRequest) -> None:
         assert lab.trace_count("varuna-timeline") >= 7  # a bar trace per span kind
         assert lab.trace_count("varuna-memory") >= 4
         lab.shot("running 2x2", show="varuna-timeline")
+        # The docs' picture of the workbench, when VARUNA_SCREENSHOTS is set (`make docs-screenshots`).
+        lab.docs_shot("workbench", ["varuna-state", "varuna-timeline", "varuna-bubbles", "varuna-memory"])
 
         lab.click_button("Checkpoint")
         ckpt = lab.wait_for_file("runs/quickstart-*/checkpoints/step-*/manifest.json", timeout_s=120)

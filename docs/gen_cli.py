@@ -1,0 +1,140 @@
+"""Generate docs/cli-reference.md: every `varuna` subcommand's usage and options, from the real parser.
+
+    python docs/gen_cli.py > docs/cli-reference.md
+
+The page is read off `varuna.cli.build_parser()`, the parser `varuna` itself runs: building it runs no
+command and imports neither torch nor MPI. Each subcommand gets its usage line (argparse's own, at a
+fixed width so the page does not depend on the terminal), its description and epilog, and a table per
+argument group of option, value, default and help. The prose and examples stay in docs/cli.md;
+tests/unit/test_docs.py fails while docs/cli-reference.md differs from this script's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WIDTH = 100  # the usage line's wrap width, fixed: argparse otherwise follows $COLUMNS
+
+
+def _cell(text: str) -> str:
+    """One line of Markdown: pipes escaped (a table cell), and outside code spans `<` (else
+    `runs/<time>` reads as an HTML tag) and `*` (`10**9` is no emphasis)."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace("*", "\\*") for i, p in enumerate(parts))
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise SystemExit("gen_cli: varuna's parser has no subcommands")
+
+
+def _summaries(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each subcommand's one-line `help=`, as `varuna --help` lists it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {choice.dest: choice.help or "" for choice in action._choices_actions}
+    return {}
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    formatter = argparse.HelpFormatter(parser.prog, width=WIDTH)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
+    return formatter.format_help().strip()
+
+
+def _option(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return f"`{action.metavar or action.dest}`"
+    return ", ".join(f"`{o}`" for o in action.option_strings)
+
+
+def _value(action: argparse.Action) -> str:
+    """The value an option takes (`P` (int)); for a positional, only its type."""
+    if action.nargs == 0:
+        return ""
+    kind = getattr(action.type, "__name__", None)
+    kind = f"({kind})" if kind and kind != "str" else ""
+    if not action.option_strings:
+        return kind
+    metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+    return f"`{metavar}` {kind}".strip()
+
+
+def _default(action: argparse.Action) -> str:
+    if action.nargs == argparse.REMAINDER:  # the script and its arguments, or none with -m
+        return "-"
+    if action.required:
+        return "required"
+    if action.nargs == 0:
+        return "off" if action.default in (False, None) else f"`{action.default}`"
+    if action.default is None or action.default == argparse.SUPPRESS:
+        return "-"
+    return f"`{action.default}`"
+
+
+def _table(actions: list[argparse.Action]) -> str:
+    rows = ["| option | value | default | meaning |", "|---|---|---|---|"]
+    for action in actions:
+        rows.append(
+            f"| {_option(action)} | {_value(action)} | {_default(action)} | {_cell(action.help or '')} |"
+        )
+    return "\n".join(rows)
+
+
+def command_section(name: str, sub: argparse.ArgumentParser, summary: str) -> str:
+    """The section of one subcommand: its summary, usage, description, epilog and option tables."""
+    parts = [f"## varuna {name}", "", f"{summary[:1].upper()}{summary[1:]}.", "", "```", _usage(sub), "```"]
+    if sub.description:
+        parts += ["", _cell(sub.description)]
+    for group in sub._action_groups:
+        actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
+        if not actions:
+            continue
+        title = "Arguments" if group.title == "positional arguments" else (group.title or "").capitalize()
+        parts += ["", f"**{title}**" + (f": {_cell(group.description)}" if group.description else ""), ""]
+        parts.append(_table(actions))
+    if sub.epilog:
+        epilog = " ".join(sub.epilog.split())
+        example = epilog.removeprefix("example: ")
+        parts += ["", f"Example: `{example}`" if example != epilog else _cell(epilog)]
+    return "\n".join(parts)
+
+
+def render() -> str:
+    from varuna.cli import build_parser
+
+    parser = build_parser()
+    summaries = _summaries(parser)
+    commands = _subparsers(parser)
+    listing = "\n".join(f"| [`{n}`](#varuna-{n}) | {_cell(summaries.get(n, ''))} |" for n in commands)
+    sections = "\n\n".join(command_section(n, p, summaries.get(n, "")) for n, p in commands.items())
+    return f"""<!-- Generated by docs/gen_cli.py: do not edit; run `python docs/gen_cli.py > docs/cli-reference.md`. -->
+# Command-line reference
+
+Every option of every `varuna` subcommand, read off the parser `varuna` runs (`varuna.cli.build_parser()`);
+`varuna COMMAND --help` prints the same. What the commands do, with examples: [Command line](cli.md).
+
+```
+{_usage(parser)}
+```
+
+| command | what it does |
+|---|---|
+{listing}
+
+{sections}
+"""
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    sys.stdout.write(render())
+
+
+if __name__ == "__main__":
+    main()
