@@ -33,6 +33,7 @@ from transparency_common import MODELS, SCHEDULES, reference  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(420)]
 RTOL = 1e-5
+SHAPED_MBIT = 100
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,18 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(hosts: NetnsHosts, tmp_path_factory: pytest.TempPathFactory, varuna_popen) -> dict[str, Path]:
-    """One job per placement, all started at once from h1; each must end with exit code 0."""
+    """One job per placement, all started at once from h1, with h2's link shaped to a slow Ethernet
+    (`SHAPED_MBIT`) while they run; each must end with exit code 0."""
     base = tmp_path_factory.mktemp("multihost")
     procs = {}
+    hosts.shape("h2", SHAPED_MBIT)
+    try:
+        return _run_layouts(hosts, base, varuna_popen, procs)
+    finally:
+        hosts.shape("h2", None)
+
+
+def _run_layouts(hosts: NetnsHosts, base: Path, varuna_popen, procs: dict) -> dict[str, Path]:
     for name, layout in LAYOUTS.items():
         log = open(base / f"{name}.log", "w")
         proc = varuna_popen(
@@ -152,4 +162,6 @@ def test_multihost_equals_plain_training(runs, references, layout: str, kind: st
             )
             seen[name] = seen.get(name, 0) + 1
     assert set(seen) == set(ref_params)  # every parameter is trained somewhere, on both replicas
+    for r in ranks:  # the all-reduce overlapped the pipeline: every bucket started before ALLREDUCE
+        assert r["buckets"] > 1 and r["started_early"] == r["buckets"], r["started_early"]
     assert min(seen.values()) >= 2

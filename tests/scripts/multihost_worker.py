@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transparency_common import GLOBAL_BATCH, MICRO_BATCH, MODELS, STEPS, build, dataset, optimizer  # noqa: E402
+from transparency_common import BUCKET_MB, GLOBAL_BATCH, MICRO_BATCH, MODELS, STEPS, build, dataset, optimizer  # noqa: E402
 
 from varuna import Varuna  # noqa: E402
 from varuna.comm.addresses import interface_addresses, network_stack  # noqa: E402
@@ -37,6 +37,7 @@ for kind in MODELS:
             micro_batch_size=MICRO_BATCH,
             example_batch=collate([data[i] for i in range(MICRO_BATCH)]),
             schedule=schedule,
+            bucket_mb=BUCKET_MB,
         )
         engine.set_optimizer(optimizer(engine.parameters()))
         losses = [engine.step(engine.batch(data, k)) for k in range(STEPS)]
@@ -52,6 +53,8 @@ for kind in MODELS:
                 "stack": network_stack(),
                 "address": interface_addresses().get("eth0"),
                 "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+                "buckets": len(engine._buckets.buffers),
+                "started_early": engine._buckets.started_early,  # before the ALLREDUCE action
             },
             tag / f"rank{engine.rank}.pt",
         )

@@ -326,3 +326,45 @@ def test_hosts_from_the_profile_or_the_flags(tmp_path: Path, capsys: pytest.Capt
     assert "at least 1" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="gpus_per_host = -1"):
         NetworkCost(p2p_latency_s=0, p2p_bandwidth_Bps=1, gpus_per_host=-1)
+
+
+def test_cyclic_placement_deals_ranks_to_hosts_in_turn() -> None:
+    """2x2 on two hosts of two: block keeps each pipeline in a host (its stages' all-reduces cross),
+    cyclic puts each replica's stages on different hosts (activations cross, all-reduces do not)."""
+    net = NetworkCost(p2p_latency_s=5e-6, p2p_bandwidth_Bps=10e9)
+    block = Links(net, Cluster(gpus_per_host=2, inter_bandwidth_Bps=1e6), 2, 2)
+    cyclic = Links(net, Cluster(gpus_per_host=2, inter_bandwidth_Bps=1e6, placement="cyclic"), 2, 2)
+    assert not block.crosses(0) and cyclic.crosses(0)
+    assert block.stage_allreduce(0, 2**24) > 10 * cyclic.stage_allreduce(0, 2**24)
+    assert cyclic.p2p(0, 2**20) == pytest.approx(20e-6 + 2**20 / 1e6)
+    with pytest.raises(PlanError, match=r"placement = 'round-robin': use one of \('block', 'cyclic'\)"):
+        Cluster(gpus_per_host=2, placement="round-robin")  # type: ignore[arg-type]
+
+
+def test_the_plan_across_hosts_follows_the_bandwidth_between_them() -> None:
+    """Big gradients and small activations on two hosts of two GPUs: with a fast network between
+    hosts pure data parallelism is best; with a slow one a pipeline whose all-reduces stay inside a
+    host (cyclic 2x2: its stages' replicas share a host), with the placement in the plan."""
+    seg = SegmentCost(
+        forward_s={2: 0.01},
+        backward_s={2: 0.02},
+        activation_bytes={2: 2**16},
+        activation_memory_bytes={2: 2**20},
+        param_bytes=64 * 2**20,
+        grad_bytes=64 * 2**20,
+        optimizer_bytes=128 * 2**20,
+    )
+    points = [(0, 2e-5), (2**30, 2e-5 + 2**30 / 2e10)]
+    net = NetworkCost(p2p_latency_s=1e-5, p2p_bandwidth_Bps=2e10, allreduce={2: points, 4: points})
+    table = CostTable(model_signature="synthetic", segments=[seg] * 4, network=net, micro_batch_sizes=[2])
+
+    def best(inter_Bps: float) -> tuple[int, int, str | None]:
+        cluster = Cluster(gpus_per_host=2, inter_bandwidth_Bps=inter_Bps)
+        result = plan(table, gpus=4, memory_bytes="64GiB", global_batch_size=32, cluster=cluster)
+        assert {c.placement for c in result.ranked if c.pipeline > 1} == {"block", "cyclic"}
+        assert {c.placement for c in result.ranked if c.pipeline == 1} == {"block"}  # the same either way
+        top = result.ranked[0]
+        return top.pipeline, top.data, top.placement
+
+    assert best(100e9) == (1, 4, "block")
+    assert best(1e6) == (2, 2, "cyclic")

@@ -106,6 +106,7 @@ def plan_for(
         micro_batch_sizes=None if fixed.micro_batch_size is None else (fixed.micro_batch_size,),
         pipelines=None if fixed.data is None else (gpus // fixed.data,),
         cluster=Cluster.from_network(table.network),
+        placements=("block",),  # the running job's: the launcher fills hosts in rank order
     )
 
 

@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from varuna.errors import PlanError, is_int
 from varuna.planner.network import NetworkCost
 
-__all__ = ["Cluster", "Links", "INTER_BANDWIDTH_BPS", "INTER_LATENCY_S"]
+__all__ = ["Cluster", "Links", "Placement", "PLACEMENTS", "INTER_BANDWIDTH_BPS", "INTER_LATENCY_S"]
 
+Placement = Literal["block", "cyclic"]
+PLACEMENTS: tuple[Placement, ...] = ("block", "cyclic")
+"""How ranks can sit on hosts (`Cluster.placement`)."""
 INTER_BANDWIDTH_BPS = 12.5e9
 """Default bytes per second of one host's network (100 Gbit/s)."""
 INTER_LATENCY_S = 20e-6
@@ -54,6 +58,14 @@ class Cluster:
     """Bytes per second between two GPUs of a host; None: the profile's point-to-point bandwidth."""
     intra_latency_s: float | None = None
     """Seconds of a minimal message within a host; None: the profile's point-to-point latency."""
+    placement: Placement = "block"
+    """How ranks sit on hosts. "block": hosts filled in rank order, `gpus_per_host` consecutive
+    ranks each (what a launcher does with a hostfile of `host:slots` lines): a pipeline of P <=
+    `gpus_per_host` stages stays inside a host and its replicas spread over hosts, so the stages'
+    all-reduces cross the network. "cyclic": rank r on host r mod H (a hostfile of one slot per
+    host, dealt in turn): a replica's neighbouring stages sit on different hosts and, with H
+    dividing P, each stage's replicas share a host, so activations cross the network and
+    all-reduces do not. `varuna.planner.search.plan` tries both where the GPUs span hosts."""
 
     def __post_init__(self) -> None:
         if not is_int(self.gpus_per_host) or self.gpus_per_host < 1:
@@ -61,6 +73,8 @@ class Cluster:
                 f"gpus_per_host = {self.gpus_per_host!r}: give the number of GPUs on each host, at least 1 "
                 "(e.g. --gpus-per-host 8)"
             )
+        if self.placement not in PLACEMENTS:
+            raise PlanError(f"placement = {self.placement!r}: use one of {PLACEMENTS}")
         for name in ("inter_bandwidth_Bps", "intra_bandwidth_Bps"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -120,6 +134,8 @@ class Links:
 
     def _host(self, rank: int) -> int:
         assert self.cluster is not None
+        if self.cluster.placement == "cyclic":
+            return rank % self.cluster.hosts(self.world)
         return rank // self.cluster.gpus_per_host
 
     def crosses(self, boundary: int, to: int | None = None) -> bool:
@@ -147,8 +163,9 @@ class Links:
         for r in ranks:
             h = self._host(r) if self.cluster is not None else 0
             per_host[h] = per_host.get(h, 0) + 1
-        if len(per_host) == 1:
-            return self.net.allreduce_time(nbytes, n, world=self.world)
+        if len(per_host) == 1:  # inside one host: the profile's curves of a one-host job where it has them
+            one_host = self.world if self.cluster is None else min(self.world, self.cluster.gpus_per_host)
+            return self.net.allreduce_time(nbytes, n, world=one_host)
         assert self.cluster is not None
         hosts, k = len(per_host), max(per_host.values())
         busy = min(self.cluster.gpus_per_host, self.world)

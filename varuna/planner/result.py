@@ -43,6 +43,8 @@ class Candidate:
     """Estimated peak bytes on each stage's device."""
     timeline: Timeline = field(repr=False)
     """The simulated step, for drawing."""
+    placement: str | None = None
+    """How the ranks sit on hosts (`varuna.planner.cluster.Cluster.placement`); None: one host."""
 
     @property
     def max_memory_bytes(self) -> int:
@@ -63,6 +65,7 @@ class Candidate:
             "samples_per_s": self.samples_per_s,
             "bubble_fraction": self.bubble_fraction,
             "memory_per_stage_bytes": list(self.memory_per_stage_bytes),
+            "placement": self.placement,
         }
         if include_timeline:
             out["timeline"] = self.timeline.to_events()
@@ -123,7 +126,7 @@ class PlanResult:
 
     def format(self, *, top: int = 10) -> str:
         """The ranked table and the rejections grouped by kind, as `varuna plan` prints them."""
-        head = (
+        head: tuple[str, ...] = (
             "#",
             "P",
             "D",
@@ -136,7 +139,7 @@ class PlanResult:
             "bubble",
             "max mem",
         )
-        rows = [
+        rows: list[tuple[str, ...]] = [
             (
                 str(i + 1),
                 str(c.pipeline),
@@ -152,6 +155,9 @@ class PlanResult:
             )
             for i, c in enumerate(self.ranked[:top])
         ]
+        if any(c.placement for c in self.ranked[:top]):  # GPUs on several hosts: how ranks sit on them
+            head = (*head, "placement")
+            rows = [(*row, c.placement or "-") for row, c in zip(rows, self.ranked[:top])]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         lines = [
             f"{len(self.ranked)} configurations fit {self.gpus} devices of {format_bytes(self.memory_bytes)} "

@@ -33,13 +33,14 @@ timed stage by stage. `fast=False` simulates everything event by event (the refe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
 from varuna.cut.partition import balance
 from varuna.errors import PlanError
 from varuna.planner.chunked import chunked_candidate, chunked_misfit
-from varuna.planner.cluster import Cluster, Links
+from varuna.planner.cluster import PLACEMENTS, Cluster, Links, Placement
 from varuna.planner.costs import STEP_ALLREDUCE_BYTES, CostTable
 from varuna.planner.fast import inflight_in_order, lowered
 from varuna.planner.memory import format_bytes, parse_memory, stage_memory
@@ -87,6 +88,7 @@ def plan(
     pipelines: Sequence[int] | None = None,
     cluster: Cluster | None = None,
     fast: bool = True,
+    placements: Sequence[Placement] | None = None,
 ) -> PlanResult:
     """Rank every configuration for `gpus` devices of `memory_bytes` (or "16GiB") each.
 
@@ -96,7 +98,9 @@ def plan(
     of `schedules` that gives it.
 
     `micro_batch_sizes` and `pipelines` restrict the search to those values (what a user fixed).
-    `cluster` spreads the GPUs over hosts (None: one host, the profile's network throughout);
+    `cluster` spreads the GPUs over hosts (None: one host, the profile's network throughout), in
+    each of `placements` (default: both, "block" and "cyclic", `Cluster.placement`; each candidate
+    says its own);
     `fast=False` simulates every configuration event by event (see the module docstring).
 
     Raises PlanError for zero GPUs, a table whose `model_signature` differs from the given one,
@@ -131,6 +135,8 @@ def plan(
                 "choose a data-parallel degree that divides the device count"
             )
         depths = [p for p in depths if p in wanted]
+    spans_hosts = cluster is not None and cluster.hosts(gpus) > 1
+    placements_tried: list[Placement | None] = list(placements or PLACEMENTS) if spans_hosts else [None]
     ranked: list[Candidate] = []
     rejected: list[Rejected] = []
     n = table.num_segments
@@ -140,14 +146,19 @@ def plan(
             reason = f"P={pipeline} > {n} segments (add CutPoints to cut the model finer)"
             rejected.append(Rejected(pipeline=pipeline, data=data, kind="stages", reason=reason))
             continue
-        for mbs in sizes:
+        # one pipeline stage: every rank is in the one all-reduce group, so placement changes nothing
+        tried = placements_tried if pipeline > 1 else placements_tried[:1]
+        for mbs, placement in ((m, pl) for m in sizes for pl in tried):
             if global_batch_size % (data * mbs):
+                if placement != tried[0]:
+                    continue
                 reason = f"global batch {global_batch_size} not divisible by D x mbs = {data} x {mbs}"
                 rejected.append(
                     Rejected(pipeline=pipeline, data=data, micro_batch_size=mbs, kind="batch", reason=reason)
                 )
                 continue
-            shape = _Shape(table, pipeline, data, mbs, cluster)
+            placed = replace(cluster, placement=placement) if cluster is not None and placement else cluster
+            shape = _Shape(table, pipeline, data, mbs, placed)
             microbatches = global_batch_size // (data * mbs)
             seen: set[tuple[Any, ...]] = set()
             misfits = {
@@ -157,7 +168,7 @@ def plan(
                 for s in schedules
             }
             for schedule, misfit in misfits.items():
-                if misfit is not None:
+                if misfit is not None and placement == tried[0]:
                     rejected.append(
                         Rejected(
                             pipeline=pipeline,
@@ -176,7 +187,11 @@ def plan(
                     continue
                 seen.add(same)
                 found = _try(shape, schedule, recompute, global_batch_size, memory_bytes, fast)
-                (ranked if isinstance(found, Candidate) else rejected).append(found)  # type: ignore[arg-type]
+                if isinstance(found, Candidate):
+                    found.placement = placement
+                    ranked.append(found)
+                elif placement == tried[0]:  # what does not fit does not fit in any placement
+                    rejected.append(found)
     ranked.sort(key=lambda c: (c.predicted_step_s, c.max_memory_bytes, c.pipeline, -c.micro_batch_size))
     if not ranked:
         raise PlanError(_nothing_fits(rejected, gpus, memory_bytes, global_batch_size, table, cluster))

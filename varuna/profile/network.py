@@ -28,6 +28,10 @@ __all__ = ["profile_network", "NETWORK_SIZES"]
 
 NETWORK_SIZES: tuple[int, ...] = (2**12, 2**16, 2**20, 2**23, 2**25)
 """Bytes per all-reduce measured by default: from latency-bound to a 25 MB gradient bucket."""
+MAX_ALLREDUCE_S = 1.0
+"""An all-reduce size whose time, extrapolated from the last one measured, exceeds this many
+seconds is not measured, nor any larger one (on a slow network the profile would take minutes);
+the planner extrapolates the curve's last slope beyond its largest point."""
 MESSAGE_BYTES = 2**16
 """Bytes of the activation whose per-message costs (`NetworkCost.message_s`) are measured."""
 
@@ -53,21 +57,21 @@ def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _p2p(rank: int, device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) between ranks 0 and 1 by ping-pong; the same on every rank."""
+def _p2p(rank: int, device: torch.device, nbytes: int, repeats: int, peer: int = 1) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) between ranks 0 and `peer` by ping-pong; the same on every rank."""
     small = torch.zeros(1, device=device)
     big = torch.zeros(max(nbytes // 4, 1), device=device)
     result = torch.zeros(2, dtype=torch.float64, device=device)
 
-    def roundtrip(out: torch.Tensor) -> None:  # rank 0 sends `out`, rank 1 answers one float
+    def roundtrip(out: torch.Tensor) -> None:  # rank 0 sends `out`, the peer answers one float
         if rank == 0:
-            dist.send(out, 1)
-            dist.recv(small, 1)
+            dist.send(out, peer)
+            dist.recv(small, peer)
         else:
             dist.recv(out, 0)
             dist.send(small, 0)
 
-    if rank in (0, 1):
+    if rank in (0, peer):
         latency = _timed(lambda: roundtrip(small), device, 10 * repeats) / 2
         transfer = _timed(lambda: roundtrip(big), device, repeats)
         moved = transfer - 2 * latency
@@ -294,22 +298,27 @@ def _allreduce(
     of a job of `active` ranks (ranks >= `active` only wait).
 
     Every group runs at once, as the stages' gradient all-reduces do; the slowest group counts.
+    Sizes stop where one would take longer than `MAX_ALLREDUCE_S`.
     """
     stride = active // group_size
     groups = [dist.new_group([s + r * stride for r in range(group_size)]) for s in range(stride)]
     mine = groups[rank % stride] if rank < active else None
     if mine is not None:
         dist.all_reduce(torch.zeros(1, device=device), group=mine)  # a new group connects lazily
-    times = torch.zeros(len(sizes), dtype=torch.float64, device=device)
-    for i, nbytes in enumerate(sizes):
+    curve: list[tuple[int, float]] = []
+    for nbytes in sizes:
+        if curve and curve[-1][1] * nbytes / curve[-1][0] > MAX_ALLREDUCE_S:
+            break  # every rank decides alike: the times are the same everywhere
         buf = torch.zeros(max(nbytes // 4, 1), device=device)
+        took = torch.zeros(1, dtype=torch.float64, device=device)
         dist.barrier()
         if mine is not None:
-            times[i] = _timed(functools.partial(dist.all_reduce, buf, group=mine), device, repeats)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            took[0] = _timed(functools.partial(dist.all_reduce, buf, group=mine), device, repeats)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        curve.append((int(nbytes), float(took[0])))
     for group in groups:
         dist.destroy_process_group(group)
-    return [(int(b), float(t)) for b, t in zip(sizes, times.tolist())]
+    return curve
 
 
 def profile_network(
@@ -354,6 +363,7 @@ def profile_network(
         )
     device = _comm_device()
     latency, bandwidth = _p2p(rank, device, p2p_bytes, repeats)
+    gpus_per_host, inter_latency, inter_bandwidth = _between_hosts(rank, device, p2p_bytes, repeats)
     transfer = latency + MESSAGE_BYTES / bandwidth
     if serial_links(device, 1, "1f1b"):  # NCCL: the engine's links are not the early ones measured here
         messages: dict[str, float] = {}
@@ -380,4 +390,31 @@ def profile_network(
         reports_arrival=reports_arrival,
         delivery_s=delivery,
         message_cpu=message_cpu,
+        gpus_per_host=gpus_per_host,
+        inter_host_latency_s=inter_latency,
+        inter_host_bandwidth_Bps=inter_bandwidth,
     )
+
+
+def _between_hosts(rank: int, device: torch.device, nbytes: int, repeats: int) -> tuple[int, float, float]:
+    """(ranks per host, latency s, bandwidth B/s) of the network between hosts, for a job whose
+    ranks span several: a ping-pong between rank 0 and the first rank on another host, as the
+    planner's `Cluster` prices every crossing (`varuna.planner.cluster`). (0, 0.0, 0.0) on one host;
+    the same on every rank.
+
+    Hosts must hold the same number of ranks (the planner's model of a cluster); ranks 0 and 1
+    share a host for the intra-host measurements, which a launcher filling hosts in rank order
+    gives."""
+    hosts = [h for h, _ in host_layout()]
+    if len(set(hosts)) == 1:
+        return 0, 0.0, 0.0
+    counts = {h: hosts.count(h) for h in hosts}
+    if len(set(counts.values())) > 1:
+        raise ConfigError(
+            f"the profile's ranks sit unevenly on hosts ({', '.join(f'{h}: {n}' for h, n in counts.items())}); "
+            "give every host of the hostfile the same number of slots, as the planner models a cluster "
+            "of equal hosts"
+        )
+    peer = next(r for r, h in enumerate(hosts) if h != hosts[0])
+    latency, bandwidth = _p2p(rank, device, nbytes, repeats, peer=peer)
+    return counts[hosts[0]], latency, bandwidth
