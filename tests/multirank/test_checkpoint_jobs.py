@@ -149,3 +149,82 @@ def test_damage_found_by_one_rank_fails_the_load_on_every_rank(
         assert re.search(
             rf"refused on rank {rank}: checkpoint file .*{victim.name} is corrupted: the bytes of '", text
         ), text
+
+
+BACKGROUND = """
+import json, os, signal, sys, torch
+from pathlib import Path
+import varuna.checkpoint.storage as cio
+from varuna import Varuna
+from varuna.data import SyntheticLM, collate
+from varuna.models import GPT, gpt_tiny
+torch.manual_seed(0)
+cfg = gpt_tiny()
+data = SyntheticLM(cfg.vocab_size, cfg.seq_len, 64)
+out, mode = Path(sys.argv[1]), sys.argv[2]
+resume = sys.argv[3] if len(sys.argv) > 3 else None
+engine = Varuna(GPT(cfg), pipeline=2, data=2, global_batch_size=16, micro_batch_size=2, resume=resume,
+                example_batch=collate([data[0], data[1]]),
+                checkpoint_every=2 if mode == "every" else None, checkpoint_keep=5)
+engine.set_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+if mode == "kill":  # a background write that dies (SIGKILL, rank 0) after its data, before the commit
+    engine.step(engine.batch(data, 0))
+    engine.checkpoint()
+    engine.step(engine.batch(data, 1))
+    if engine.rank == 0:
+        cio.file_crc = lambda path: os.kill(os.getpid(), signal.SIGKILL)
+    engine.checkpoint(blocking=False)
+    engine.step(engine.batch(data, 2))
+    engine.wait_checkpoint()
+losses = [engine.step(engine.batch(data, k)) for k in range(engine.step_count, 6)]
+engine.close()
+(out / f"{mode}-rank{engine.rank}.json").write_text(json.dumps({"losses": losses, "last": engine.last_checkpoint}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_background_checkpoints_at_2x2_resume_exactly_and_a_killed_write_keeps_the_previous(
+    tmp_path: Path, varuna_run
+) -> None:
+    """2x2 with checkpoint_every=2: steps 2 and 4 written in the background while steps 3-6 train
+    (the writes' collectives on a group of their own); a job resumed from step 4 trains steps 5 and 6
+    to the same losses. A background write killed before its commit leaves the previous checkpoint
+    latest."""
+    import json
+
+    script = tmp_path / "background.py"
+    script.write_text(BACKGROUND)
+    run = tmp_path / "run"
+    varuna_run([script, tmp_path, "every"], pipeline=2, data=2, run_dir=run, cwd=tmp_path, timeout=240)
+    every = json.loads((tmp_path / "every-rank0.json").read_text())
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "step-00000002",
+        "step-00000004",
+        "step-00000006",
+    ]
+    assert every["last"]["blocking"] is False and every["last"]["step"] == 6
+    varuna_run(
+        [script, tmp_path, "resumed", str(root / "step-00000004")],
+        pipeline=2,
+        data=2,
+        run_dir=tmp_path / "run-resumed",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    resumed = json.loads((tmp_path / "resumed-rank0.json").read_text())
+    assert resumed["losses"] == every["losses"][4:]
+
+    killed = varuna_run(
+        [script, tmp_path, "kill"],
+        pipeline=2,
+        data=2,
+        run_dir=tmp_path / "run-kill",
+        cwd=tmp_path,
+        timeout=240,
+        check=False,
+    )
+    assert killed.returncode != 0
+    kill_root = tmp_path / "run-kill" / "checkpoints"
+    assert (kill_root / "latest").read_text().strip() == "step-00000001"
+    assert not (kill_root / "step-00000002").exists()

@@ -81,8 +81,11 @@ def save(
     *,
     rank: int,
     keep: int,
+    group: Any = None,
 ) -> tuple[Path, int]:
-    """Collective: write one checkpoint and commit it; returns its path and its size in bytes.
+    """Collective (over `group`, default every rank): write one checkpoint and commit it; returns its
+    path and its size in bytes. A checkpoint written in a background thread while training goes on
+    uses a group of its own, so that its collectives never interleave with the step's.
 
     Any failure (a full disk on any rank, a value that cannot be stored) is the same
     CheckpointError on every rank, with nothing committed and the temporary directory removed.
@@ -99,14 +102,14 @@ def save(
             tmp.mkdir()
         except OSError as exc:
             box[0] = str(cio.write_failed(tmp, exc))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if box[0] is not None:
         raise CheckpointError(box[0])
     # Every rank's data file is written and fsynced, and rank 0 has written metadata.json (with the
     # extents' CRC-32s, fsynced too), when dcp.save returns; a failure anywhere raises on every rank.
     try:
         with cio.dcp_errors(f"checkpoint {tmp} could not be written"):
-            dcp.save(tensors, storage_writer=cio.Writer(tmp))
+            dcp.save(tensors, storage_writer=cio.Writer(tmp), process_group=group)
     except CheckpointError:
         if rank == 0:
             remove(tmp)
@@ -117,7 +120,7 @@ def save(
             box[0] = commit(root, tmp, name, step, extra_json, fmt=FORMAT, keep=keep)
         except CheckpointError as exc:
             box[1] = str(exc)
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if box[1] is not None:
         raise CheckpointError(box[1])
     return final, int(box[0])

@@ -167,6 +167,11 @@ class Varuna:
             **args,
         )
         cfg = self.config
+        if cfg.checkpoint.checkpoint_every is not None and cfg.run_dir is None:
+            raise ConfigError(
+                f"checkpoint_every={cfg.checkpoint.checkpoint_every!r} needs a run directory to write "
+                "checkpoints in: pass run_dir=... or launch with `varuna run`"
+            )
         if cfg.engine.split_backward and any(
             getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
         ):
@@ -347,6 +352,9 @@ class Varuna:
         self._saved_optimizer_class: str | None = None
         self.resume_info: dict[str, Any] | None = None
         self.last_checkpoint: dict[str, Any] | None = None
+        self._pending_checkpoint: _train_state.PendingCheckpoint | None = None
+        self._ckpt_group: Any = None
+        self._last_checkpoint_time = time.monotonic()
 
     def _resume(self) -> None:
         """Load this stage's state from the checkpoint being resumed (the optimizer's waits for
@@ -468,10 +476,12 @@ class Varuna:
         """Forward and backward over this replica's micro-batches, reduce, step; the global mean loss."""
         if self._morph_exit is not None:
             self._exit_to_morph()
+        if self._pending_checkpoint is not None and self._pending_checkpoint.done():
+            self.wait_checkpoint()  # a background write that failed raises here
         t0 = time.perf_counter()
         micro = self._micro_batches(batch)
         losses, times = self._run_pipeline(micro)
-        loss, total_sq, stop, want_ckpt = self._agree(losses, times)
+        loss, total_sq, stop, want_ckpt, timed_ckpt = self._agree(losses, times)
         self.should_stop = stop
         self._update(loss, total_sq, micro, times)
         self.step_count += 1
@@ -498,7 +508,15 @@ class Varuna:
         if want_ckpt and self._morph_exit is None:
             self.checkpoint()
             self.observer.checkpoint_done(self.last_checkpoint)
+        elif self._morph_exit is None and (timed_ckpt or self._checkpoint_due()):
+            self.checkpoint(blocking=False)  # `checkpoint_every`: written while training goes on
+            self._last_checkpoint_time = time.monotonic()
         return loss
+
+    def _checkpoint_due(self) -> bool:
+        """Whether `checkpoint_every` (a number of steps) asks for a checkpoint after this step."""
+        every = self.config.checkpoint.every_steps
+        return every is not None and self.step_count % every == 0
 
     # one step, in the order step() runs it -------------------------------------------------------
     def _exit_to_morph(self) -> None:
@@ -560,20 +578,28 @@ class Varuna:
         times.comm_s += time.perf_counter() - t_wait
         return losses, times
 
-    def _agree(self, losses: list[torch.Tensor], times: StepTimes) -> tuple[float, float, bool, bool]:
+    def _agree(self, losses: list[torch.Tensor], times: StepTimes) -> tuple[float, float, bool, bool, bool]:
         """The step's one small all-reduce: every rank learns the global mean loss, the gradients'
-        squared norm, and whether any rank was asked to stop or (rank 0, by a controller) to
-        checkpoint, so all act on the same step."""
+        squared norm, whether any rank was asked to stop or (rank 0, by a controller) to
+        checkpoint, and whether `checkpoint_every`'s seconds are up on rank 0's clock, so all act
+        on the same step."""
         cfg = self.config.engine
         t0 = time.perf_counter()
         sumsq = self._local_sumsq()
         want_ckpt = self.observer.poll()  # rank 0's controller commands (stop sets stop_request)
+        every_s = self.config.checkpoint.every_s
+        timed = (
+            self.rank == 0
+            and every_s is not None
+            and time.monotonic() - self._last_checkpoint_time >= every_s
+        )
         flags = torch.tensor(
             [
                 float(sum(losses)) / cfg.num_microbatches if losses else 0.0,
                 sumsq,
                 float(bool(self.stop_request)),
                 float(want_ckpt),
+                float(timed),
             ],
             dtype=torch.float64,
             device=self.device,
@@ -581,7 +607,8 @@ class Varuna:
         if self.world_size > 1:
             dist.all_reduce(flags)
         times.comm_s += time.perf_counter() - t0
-        return float(flags[0]) / cfg.data, float(flags[1]) / cfg.data, bool(flags[2] > 0), bool(flags[3] > 0)
+        loss, sq = float(flags[0]) / cfg.data, float(flags[1]) / cfg.data
+        return loss, sq, bool(flags[2] > 0), bool(flags[3] > 0), bool(flags[4] > 0)
 
     def _update(self, loss: float, total_sq: float, micro: list[dict[str, Any]], times: StepTimes) -> None:
         """Unscale and clip the gradients and step the optimizer and scheduler, unless the step
@@ -690,16 +717,28 @@ class Varuna:
             self._courier.replan(plan(self.schedule, self._rank_of, self.stage, self.rank))
 
     # checkpoints -------------------------------------------------------------------------------
-    def checkpoint(self, root: str | Path | None = None) -> Path:
-        """Collective: save everything an exact resume needs, keyed by parameter name; returns the path."""
+    def checkpoint(self, root: str | Path | None = None, *, blocking: bool = True) -> Path:
+        """Collective: save everything an exact resume needs, keyed by parameter name; returns the path.
+
+        `blocking=False` copies this rank's state to host memory and writes it in a background
+        thread while training goes on (`wait_checkpoint()` waits for it; its record then is
+        `last_checkpoint`). At most one is in flight: a checkpoint asked for while one is being
+        written waits for that one first. A write that fails raises its CheckpointError from the
+        next `checkpoint`, `wait_checkpoint`, `step` or `close`; the previous checkpoint stays latest.
+        """
         cfg = self.config
+        self.wait_checkpoint()
         if root is None:
             if cfg.run_dir is None:
                 raise CheckpointError(
                     "checkpoint() needs a run directory (run_dir=... or `varuna run`) or a root"
                 )
             root = cfg.run_dir / "checkpoints"
-        path, self.last_checkpoint = _train_state.save(
+        if not blocking and self._ckpt_group is None and self.world_size > 1:
+            # the background write's collectives run on a group of their own (made collectively,
+            # here, as checkpoint() is called by every rank at the same step)
+            self._ckpt_group = dist.new_group(backend="gloo", timeout=vdist.group_timeout())
+        path, saved = _train_state.save(
             Path(root),
             cfg,
             self.config_dict(),
@@ -710,8 +749,23 @@ class Varuna:
             optimizer=self.optimizer,
             scaler=self.scaler,
             lr_scheduler=self.lr_scheduler,
+            blocking=blocking,
+            group=self._ckpt_group,
         )
+        if isinstance(saved, _train_state.PendingCheckpoint):
+            self._pending_checkpoint = saved
+        else:
+            self.last_checkpoint = saved
         return path
+
+    def wait_checkpoint(self) -> dict[str, Any] | None:
+        """Wait for the checkpoint being written in the background, if any; its record (also
+        `last_checkpoint`), or None when none was in flight. Raises its CheckpointError if it failed."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is None:
+            return None
+        self.last_checkpoint = pending.wait()
+        return self.last_checkpoint
 
     def _write_engine_info(self) -> None:
         assert self.config.run_dir is not None
@@ -761,11 +815,13 @@ class Varuna:
             logger.close()
         self._loggers = []
         self._runtime.close()
+        self.wait_checkpoint()
         groups = [self._dp_group] if self._dp_group is not None else []
+        groups += [self._ckpt_group] if self._ckpt_group is not None else []
         groups += [pg for _, pg, _ in self._tied_groups if pg is not None]
         for pg in groups:
             dist.destroy_process_group(pg)
-        self._dp_group, self._tied_groups = None, []
+        self._dp_group, self._tied_groups, self._ckpt_group = None, [], None
 
     @property
     def refit_info(self) -> dict[str, Any] | None:

@@ -13,7 +13,9 @@ only the keys it asks for.
 
 from __future__ import annotations
 
+import copy
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,11 +75,17 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     scaler: LossScaler | None,
     lr_scheduler: Any,
-) -> tuple[Path, dict[str, Any]]:
+    blocking: bool = True,
+    group: Any = None,
+) -> tuple[Path, dict[str, Any] | PendingCheckpoint]:
     """Collective: save this rank's share under `root`; the checkpoint's path and its record
-    (`Varuna.last_checkpoint`: path, bytes, seconds, step).
+    (`Varuna.last_checkpoint`: path, bytes, seconds, step), or with `blocking=False` a
+    `PendingCheckpoint` whose `wait()` gives the record.
 
     `model` is the whole (stripped) model, `params` the (canonical name, Parameter) this rank holds.
+    Without `blocking` the state is copied first (to host memory; pinned from a GPU) and written by
+    a background thread over `group` (a process group of its own), while training goes on; the
+    commit is the same atomic one, so a crash during the write leaves the previous checkpoint latest.
     """
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {f"model.{n}": p.detach() for n, p in params}
@@ -101,14 +109,81 @@ def save(
             "parameters": sum(p.numel() for p in model.parameters()),
         },
     }
-    path, size = ckpt.save(root, step, tensors, extra, rank=rank, keep=config.checkpoint.checkpoint_keep)
-    record = {
-        "path": str(path),
-        "bytes": size,
-        "seconds": time.perf_counter() - t0,
-        "step": step,
-    }
-    return path, record
+    keep = config.checkpoint.checkpoint_keep
+    if not blocking:
+        pending = PendingCheckpoint(
+            root, step, _host_copy(tensors), copy.deepcopy(extra), rank, keep, group, t0
+        )
+        return pending.path, pending
+    path, size = ckpt.save(root, step, tensors, extra, rank=rank, keep=keep)
+    return path, {"path": str(path), "bytes": size, "seconds": time.perf_counter() - t0, "step": step}
+
+
+def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of every tensor in host memory that training cannot change (pinned where it comes
+    from a GPU, copied without blocking, then waited for once)."""
+    out = {}
+    for key, t in tensors.items():
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            out[key] = host.copy_(t, non_blocking=True)
+        else:
+            out[key] = t.detach().clone()
+    if torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values()):
+        torch.cuda.synchronize()
+    return out
+
+
+class PendingCheckpoint:
+    """A checkpoint being written by a background thread (`save(blocking=False)`); `wait()` joins
+    it and returns its record, or raises its CheckpointError (the same on every rank)."""
+
+    def __init__(
+        self,
+        root: Path,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        extra: dict[str, Any],
+        rank: int,
+        keep: int,
+        group: Any,
+        started: float,
+    ) -> None:
+        self.step = step
+        self.path = root / f"step-{step:08d}"
+        self.copied_s = time.perf_counter() - started
+        """Seconds the step spent copying the state (what a background checkpoint costs it)."""
+        self._record: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+
+        def write() -> None:
+            try:
+                path, size = ckpt.save(root, step, tensors, extra, rank=rank, keep=keep, group=group)
+                self._record = {
+                    "path": str(path),
+                    "bytes": size,
+                    "seconds": time.perf_counter() - started,
+                    "step": step,
+                    "blocking": False,
+                    "copy_s": self.copied_s,
+                }
+            except BaseException as exc:  # surfaced by wait(), in the training thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name=f"varuna-checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the write has ended (committed or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> dict[str, Any]:
+        """Wait for the write; its record (path, bytes, seconds from the copy to the commit, step)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._record is not None
+        return self._record
 
 
 @dataclass(kw_only=True, slots=True)
