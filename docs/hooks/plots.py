@@ -79,6 +79,11 @@ SCHEMAS: dict[str, Any] = {
             }
         ],
     },
+    "network": {
+        "unit": str,
+        "crossover_mbit": NUMBER_OR_NONE,
+        "points": [{"rate_mbit": NUMBER_OR_NONE, "samples_per_s": {str: NUMBER}}],
+    },
     "planner-scale": {
         "rows": [
             {
@@ -375,6 +380,46 @@ def draw_planner_scale(found: list[Result]) -> Any:
     return fig
 
 
+def draw_network_throughput(found: list[Result]) -> Any:
+    """The newest run: samples/s of each system and shape against the link's rate (log axis; the
+    unshaped link drawn 4x beyond the fastest shaped rate), the crossover marked."""
+    from matplotlib.figure import Figure
+
+    latest = found[-1]
+    points = latest.data["points"]
+    shaped = [p["rate_mbit"] for p in points if p["rate_mbit"] is not None]
+    top = 4 * max(shaped) if shaped else 1000.0
+    x = [top if p["rate_mbit"] is None else p["rate_mbit"] for p in points]
+    names = _ordered([list(p["samples_per_s"]) for p in points])
+    colors = _colors(names)
+    fig = Figure(figsize=(9, 4.2))
+    ax = fig.subplots()
+    for name in names:
+        y = [p["samples_per_s"].get(name, math.nan) for p in points]
+        style = "-" if name.startswith("Varuna") else "--"
+        ax.plot(x, y, style, marker="o", ms=4, color=colors[name], label=name)
+    crossing = latest.data["crossover_mbit"]
+    if crossing is not None:
+        ax.axvline(crossing, color="0.3", lw=1, ls=":")
+        ax.annotate(
+            f"crossover {crossing:g} Mbit/s",
+            (crossing, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 6),
+            textcoords="offset points",
+            fontsize=8,
+        )
+    ax.set_xscale("log")
+    ax.set_xticks(x, ["unshaped" if p["rate_mbit"] is None else f"{p['rate_mbit']:g}" for p in points])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("link rate between the two hosts (Mbit/s)")
+    ax.set_ylabel(latest.data["unit"])
+    ax.set_title(f"4 ranks on 2 hosts, one shaped link ({latest.date})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return fig
+
+
 @dataclass(frozen=True)
 class Plot:
     """A figure of a benchmark page: which result files it draws, how, and its caption."""
@@ -407,6 +452,12 @@ PLOTS: dict[str, Plot] = {
         "planner-scale",
         draw_planner_scale,
         "The plans for 8 to 1024 GPUs: predicted throughput and the step's losses (newest run).",
+    ),
+    "network-throughput": Plot(
+        "network",
+        draw_network_throughput,
+        "Samples/s of Varuna's shapes, DDP and torch.pipelining as the link between the two hosts "
+        "slows (newest run).",
     ),
 }
 

@@ -179,7 +179,9 @@ def test_every_plot_marker_names_a_plot_and_every_plot_is_shown() -> None:
     assert "[2026-12-05-pipeline.json](results/2026-12-05-pipeline.json)" in figure
 
 
-@pytest.mark.parametrize("name", ["pipeline-ratios", "memory-growth", "planner-accuracy", "planner-scale"])
+@pytest.mark.parametrize(
+    "name", ["pipeline-ratios", "memory-growth", "planner-accuracy", "planner-scale", "network-throughput"]
+)
 def test_each_plot_draws_an_svg_from_the_result_files(name: str) -> None:
     pytest.importorskip("matplotlib")
     plots = _plots()

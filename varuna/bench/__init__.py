@@ -3,9 +3,10 @@
     python -m varuna.bench pipeline --json     # Varuna's schedules vs torch.distributed.pipelining
 
 Each subcommand is a subpackage (`pipeline`, `morph`, `telemetry`, `planner`, `standin`, `memory`,
-`faults`; see `__main__`) whose `main(args)` runs it; it starts its measured jobs as separate
-processes (their `worker` modules), so importing this package costs nothing. `common` holds what
-several benches share beyond the helpers here.
+`faults`, `network`; see `__main__`) whose `main(args)` runs it; it starts its measured jobs as
+separate processes (their `worker` modules), so importing this package costs nothing. `common` holds
+what several benches share beyond the helpers here; `netns` makes the namespace hosts that the
+network bench and the multihost tests run on.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin | memory | faults) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin | memory | faults | network) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -60,6 +60,14 @@ BENCHES = {
         "what was expected and what was observed.",
         "skip the cases that need multi-rank jobs",
     ),
+    "network": (
+        "pipelining against data parallelism over a shaped link between two hosts (needs root)",
+        "4 ranks on 2 network-namespace hosts whose link is shaped (tc tbf) to several rates: at each, "
+        "the samples/s of Varuna at 1x4, 2x2 (replicas across hosts, and stages across hosts) and 4x1, "
+        "PyTorch DistributedDataParallel at 1x4 and torch.distributed.pipelining at 4x1, on the same "
+        "GPT, weights, batches and optimizer; the rate below which pipelining wins, and a plot.",
+        "tiny model, unshaped and 20 Mbit/s, few steps: a smoke run of every path",
+    ),
 }
 """name -> (one-line help, description, what --quick does); each lives in `varuna.bench.<name>`."""
 
@@ -74,6 +82,15 @@ EXTRA_OPTIONS: dict[str, list[tuple[str, dict[str, str]]]] = {
     ],
     "planner": [
         ("--scale", {"action": "store_true", "help": "plan 8..1024 GPUs of a paper GPT; report plan time"})
+    ],
+    "network": [
+        (
+            "--out",
+            {
+                "metavar": "DIR",
+                "help": "the run's folder: jobs, logs, network.png (runs/bench-network-<time>)",
+            },
+        )
     ],
 }
 """name -> further options of that benchmark: (flag, argparse keywords)."""

@@ -1,0 +1,224 @@
+"""`python -m varuna.bench network --json --quick` across namespace hosts, and the report's pure parts.
+
+Benchmarks never gate: the quick run asserts that every system and shape ran at every rate, where the
+ranks ran, and that the shaping bites (data parallelism slows on the shaped link), never a ratio
+between systems.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from _helpers import run_bench
+
+from varuna.bench.netns import unavailable
+from varuna.bench.network import NetworkBench, crossover, expected_hosts, placement_of, quick
+from varuna.bench.network.rates import LinkSchedule, wait_rate
+from varuna.errors import ConfigError
+
+SYSTEMS = {
+    ("varuna", "1x4", None),
+    ("varuna", "2x2", "replicas-across-hosts"),
+    ("varuna", "2x2", "stages-across-hosts"),
+    ("varuna", "4x1", None),
+    ("ddp", "1x4", None),
+    ("torch.pipelining", "4x1", None),
+}
+
+
+def test_hydra_places_ranks_through_the_hostfile_in_order() -> None:
+    assert expected_hosts({"h2": 2, "h3": 2}, 4) == ["h2", "h2", "h3", "h3"]
+    assert expected_hosts({"h2": 1, "h3": 1}, 4) == ["h2", "h3", "h2", "h3"]
+    assert expected_hosts({"h1": 2, "h2": 1, "h3": 1}, 4) == ["h1", "h1", "h2", "h3"]
+
+
+def test_the_placement_says_which_dimension_crosses_hosts() -> None:
+    assert placement_of(["h2", "h2", "h3", "h3"], 2, 2) == "replicas-across-hosts"
+    assert placement_of(["h2", "h3", "h2", "h3"], 2, 2) == "stages-across-hosts"
+    assert placement_of(["h2", "h2", "h2", "h3"], 2, 2) == "mixed"
+    assert placement_of(["h2", "h2", "h2", "h2"], 2, 2) == "mixed"  # nothing crosses
+    assert placement_of(["h2", "h2", "h3", "h3"], 1, 4) is None
+    with pytest.raises(ValueError, match="3 hosts for a 2x2 job"):
+        placement_of(["h2", "h2", "h3"], 2, 2)
+
+
+def _point(rate: float | None, dp: float, ddp: float, piped: dict[str, float]) -> dict:
+    results = [
+        {"system": "varuna", "shape": "1x4", "placement": None, "samples_per_s": dp},
+        {"system": "ddp", "shape": "1x4", "placement": None, "samples_per_s": ddp},
+    ]
+    for shape, value in piped.items():
+        results.append({"system": "varuna", "shape": shape, "placement": None, "samples_per_s": value})
+    return {"rate_mbit": rate, "results": results}
+
+
+def test_the_crossover_is_the_highest_rate_where_pipelining_beats_both() -> None:
+    points = [
+        _point(None, 20.0, 21.0, {"2x2": 18.0, "4x1": 17.0}),
+        _point(1000.0, 15.0, 16.0, {"2x2": 15.5, "4x1": 17.0}),  # beats varuna 1x4 and DDP
+        _point(200.0, 9.0, 17.5, {"2x2": 12.0, "4x1": 16.0}),  # DDP still ahead here
+        _point(50.0, 3.0, 3.0, {"2x2": 5.0, "4x1": 14.0}),
+    ]
+    found = crossover(points)
+    assert found["crossover_mbit"] == 1000.0
+    rows = found["crossover"]["by_rate"]
+    assert [r["pipelined_wins"] for r in rows] == [False, True, False, True]
+    assert rows[1]["best_pipelined"] == "varuna 4x1" and rows[2]["best_data_parallel"] == "ddp 1x4"
+    assert rows[3]["pipelined_over_data_parallel"] == pytest.approx(14.0 / 3.0, abs=1e-3)
+    assert found["crossover"]["pipelined_wins_unshaped"] is False
+    assert crossover(points[:1] + points[2:3])["crossover_mbit"] is None
+    # pipelining winning unshaped is said, not taken for a rate
+    won = crossover([_point(None, 1.0, 1.0, {"4x1": 2.0})])
+    assert won["crossover_mbit"] is None and won["crossover"]["pipelined_wins_unshaped"] is True
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"global_batch_size": 18},
+            r"global_batch_size \(18\) must be a multiple of 4 x micro_batch_size \(2\)",
+        ),
+        ({"rates": (None, 0.0)}, r"rates \(None, 0.0\) must be Mbit/s > 0"),
+        ({"jobs": ("blocks", "nope")}, r"jobs names 'nope'; the jobs are \('blocks', 'alternate'\)"),
+        ({"warmup": -1}, r"warmup must be >= 0 \(got -1\)"),
+        ({"steps": 0}, r"NetworkBench.steps must be a positive integer"),
+        ({"schedule": "varuna"}, r"schedule 'varuna' is not one of \('gpipe', '1f1b', "),
+        ({"partition": "even"}, r"partition 'even': use 'balanced', 'fastest' or 'uniform'"),
+    ],
+)
+def test_bad_network_bench_settings_name_the_fix(change: dict, message: str) -> None:
+    from dataclasses import asdict
+
+    with pytest.raises(ConfigError, match=message):
+        NetworkBench(**(asdict(quick()) | change))
+
+
+def test_a_too_shallow_model_cannot_make_four_stages() -> None:
+    model = {
+        "vocab_size": 64,
+        "seq_len": 8,
+        "d_model": 16,
+        "n_layer": 1,
+        "n_head": 2,
+        "cut_inside_blocks": True,
+    }
+    with pytest.raises(ConfigError, match="the 4x1 shape needs at least 4 pieces to cut; the model has 2"):
+        NetworkBench(model=model)
+
+
+def test_the_jobs_take_turns_at_each_rate_and_the_link_changes_only_between_rates(tmp_path: Path) -> None:
+    rates = [None, 1000.0, 50.0]
+    shaped: list[float | None] = []
+    seen: list[tuple[str, int, float | None, float | None]] = []
+    folders = {name: tmp_path / name for name in ("a", "b")}
+
+    def job(name: str) -> None:  # rank 0 of a job: measure at each rate, then ask for the next
+        for index in range(len(rates) + 1):
+            rate = wait_rate(folders[name], index, ask=True, timeout_s=10)
+            seen.append((name, index, rate, shaped[-1] if shaped else None))
+            time.sleep(0.01)
+
+    for folder in folders.values():
+        folder.mkdir()
+    threads = {name: threading.Thread(target=job, args=(name,)) for name in folders}
+    link = LinkSchedule(rates, shaped.append)
+    for name, thread in threads.items():
+        thread.start()
+        link.ready(folders[name], 0, lambda f: True)
+    link.serve(list(folders.values()), lambda f: threads[f.name].is_alive())
+    for thread in threads.values():
+        thread.join(10)
+    assert shaped == [1000.0, 50.0, None]  # the link starts unshaped; set once per rate
+    order = [(name, index) for name, index, _, _ in seen]
+    assert order[:6] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert sorted(order[6:]) == [("a", 3), ("b", 3)]  # told together that they are done
+    for _, index, rate, link_rate in seen:  # each measured at the rate the link had
+        assert rate == (rates[index] if index < len(rates) else None) == link_rate
+
+
+def test_a_job_that_ends_without_asking_stops_the_bench(tmp_path: Path) -> None:
+    link = LinkSchedule([None], lambda rate: None)
+    with pytest.raises(RuntimeError, match="the job of .* ended before asking for rate 0"):
+        link.ready(tmp_path, 0, lambda folder: False)
+
+
+def test_a_job_stops_waiting_when_the_bench_never_answers(tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError, match="no .*go-0 within 0.1 s: the bench did not set rate 0"):
+        wait_rate(tmp_path, 0, ask=True, timeout_s=0.1)
+    assert (tmp_path / "want-0").exists()
+
+
+def test_without_namespace_support_the_bench_says_why_and_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import varuna.bench.netns as netns
+    from varuna.bench.__main__ import main
+
+    monkeypatch.setattr(
+        netns, "unavailable", lambda: "namespace hosts need root (ip netns, veth pairs, unshare --uts)"
+    )
+    assert main(["network", "--quick", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "varuna bench: network: cannot run here: namespace hosts need root (ip netns, veth pairs, unshare --uts)"
+    ]
+
+
+@pytest.mark.multirank
+@pytest.mark.multihost
+@pytest.mark.timeout(200)
+def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    report, _ = run_bench("network", timeout=190)
+    try:
+        bench = quick()
+        assert [p["rate_mbit"] for p in report["points"]] == list(bench.rates)
+        assert report["global_batch"] == bench.global_batch_size
+        assert report["micro_batch"] == bench.micro_batch_size
+        for point in report["points"]:
+            seen = {(r["system"], r["shape"], r["placement"]) for r in point["results"]}
+            assert seen == SYSTEMS
+            assert point["planner"] is None
+            for r in point["results"]:
+                assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"])
+                assert r["samples_per_s"] == pytest.approx(report["global_batch"] / r["step_s"], rel=1e-3)
+                assert len(r["timed_step_s"]) == bench.steps and len(r["warmup_step_s"]) == bench.warmup
+        # the ranks ran where each placement needs them: each rank's own host name
+        placements = report["placements_verified"]
+        assert placements["replicas-across-hosts"]["rank_hosts"] == ["h2", "h2", "h3", "h3"]
+        assert placements["stages-across-hosts"]["rank_hosts"] == ["h2", "h3", "h2", "h3"]
+        assert all(p["verified"] for p in placements.values())
+        for point in report["points"]:
+            for r in point["results"]:
+                job = (
+                    "stages-across-hosts"
+                    if r["placement"] == "stages-across-hosts"
+                    else "replicas-across-hosts"
+                )
+                assert r["rank_hosts"] == placements[job]["rank_hosts"]
+        # the shaping bites: pure data parallelism all-reduces every gradient across the shaped link
+        unshaped, shaped = report["points"][0], report["points"][-1]
+
+        def rate(point: dict, system: str) -> float:
+            return next(
+                r["samples_per_s"] for r in point["results"] if (r["system"], r["shape"]) == (system, "1x4")
+            )
+
+        assert rate(shaped, "varuna") < rate(unshaped, "varuna")
+        assert rate(shaped, "ddp") < rate(unshaped, "ddp")
+        # every system trains the same model on the same batches: the same losses
+        assert report["first_loss_spread"] < 1e-4
+        assert report["crossover_mbit"] in (None, *bench.rates)
+        assert Path(report["plot"]).is_file() and Path(report["plot"]).stat().st_size > 0
+    finally:
+        out = Path(report["out"])
+        if out.name.startswith("bench-network-"):
+            shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,211 @@
+"""One job of the network benchmark: every rank runs this module, rank 0 writes the results.
+
+    varuna run --pipeline 1 --data 4 --hostfile H -m varuna.bench.network.worker SPEC.json
+
+SPEC.json (written by `varuna.bench.network.driver`) gives the model, the batch shape, the systems
+to build (each Varuna shape P x D, DDP, torch.pipelining), the number of link rates, the step counts,
+the folder of the rate handshake (`varuna.bench.network.rates`) and the output file. Every system is
+built once, while the link is unshaped (so start-up traffic is not measured); then for each rate
+the job waits for its turn at that rate (the parent shapes the link and lets the bench's jobs measure
+one after another), and every system runs `warmup` + `steps` steps on the same global batches, the
+systems alternating step by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a barrier that lines the ranks up to the end of the
+optimizer step; its time is the slowest rank's.
+
+Every system trains the same GPT (same seed, so the same initial weights) on the same batches with
+AdamW, and every system has run the same steps at each point: their losses agree step by step.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from varuna.bench.common import LR, build_model, gather, global_batches, worker_log
+from varuna.bench.network.ddp_baseline import DDPRunner
+from varuna.bench.network.rates import wait_rate
+from varuna.bench.network.report import system_key
+from varuna.bench.pipeline.torch_baseline import TorchRunner
+
+
+class Runner(Protocol):
+    """One system of the job: `step` trains on one global batch and returns a loss (or None where
+    this rank holds no loss)."""
+
+    def step(self, batch: dict[str, Tensor]) -> float | None: ...
+
+
+class _VarunaRunner:
+    """A Varuna engine at one P x D; `step` gives it this replica's share of the global batch."""
+
+    def __init__(self, spec: dict[str, Any], P: int, D: int, example: dict[str, Tensor]) -> None:
+        from varuna import Varuna
+
+        self.engine = Varuna(
+            build_model(spec["model"]),
+            pipeline=P,
+            data=D,
+            global_batch_size=spec["global_batch_size"],
+            micro_batch_size=spec["micro_batch_size"],
+            schedule=spec["schedule"],
+            example_batch=example,
+            partition=spec["partition"] if P > 1 else "uniform",
+        )
+        self.engine.set_optimizer(torch.optim.AdamW(self.engine.parameters(), lr=LR))
+        self.share = spec["global_batch_size"] // D
+
+    def step(self, batch: dict[str, Tensor]) -> float | None:
+        lo = self.engine.replica * self.share
+        return self.engine.step({k: v[lo : lo + self.share] for k, v in batch.items()})
+
+
+def build(spec: dict[str, Any], example: dict[str, Tensor]) -> dict[str, Runner]:
+    """Every system of the spec, in order; torch.pipelining is cut where Varuna's engine of the same
+    P cut the model (the spec's driver puts that engine first)."""
+    import torch.distributed as dist
+
+    runners: dict[str, Runner] = {}
+    boundaries: dict[int, list[int]] = {}
+    for system in spec["systems"]:
+        key, P, D = system_key(system), system["pipeline"], system["data"]
+        if system["system"] == "varuna":
+            runner = _VarunaRunner(spec, P, D, example)
+            boundaries[P] = list(runner.engine.partition.boundaries)
+            runners[key] = runner
+        elif system["system"] == "ddp":
+            runners[key] = DDPRunner(spec)
+        else:  # torch.pipelining, one pipeline over every rank (D = 1)
+            cut = {spec["schedule"]: boundaries[P]}
+            runners[key] = TorchRunner(
+                spec | {"pipeline": P, "boundaries_by_schedule": cut}, spec["schedule"]
+            )
+        if dist.get_rank() == 0:
+            where = f", boundaries {boundaries[P]}" if P > 1 and system["system"] == "varuna" else ""
+            worker_log(f"built {key}{where}")
+    return runners
+
+
+def measure(runners: dict[str, Runner], batches: list[dict[str, Tensor]]) -> dict[str, Any]:
+    """Each system's step on each batch, the systems in turn (the order rotating each round); per
+    system its slowest rank's step times and the losses every rank returned."""
+    import torch.distributed as dist
+
+    names = list(runners)
+    step_s: dict[str, list[float]] = {k: [] for k in names}
+    losses: dict[str, list[float | None]] = {k: [] for k in names}
+    for k, batch in enumerate(batches):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[name].append(runners[name].step(batch))
+            step_s[name].append(time.perf_counter() - t0)
+    every = gather({"step_s": step_s, "losses": losses})
+    return {
+        k: {
+            "step_s": [max(r["step_s"][k][i] for r in every) for i in range(len(batches))],
+            "losses": [[r["losses"][k][i] for r in every] for i in range(len(batches))],
+        }
+        for k in names
+    }
+
+
+def probe_link(hosts: list[str], rate: float | None) -> float:
+    """The link's rate as gloo sees it, in Mbit/s: rank 0 sends about half a second's worth of bytes
+    at `rate` (64 MiB unshaped) to the first rank on another host, which answers with one byte."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    peer = next(r for r, host in enumerate(hosts) if host != hosts[0])
+    size = 64 * 2**20 if rate is None else int(min(max(rate * 1e6 / 8 / 2, 2**20), 64 * 2**20))
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(torch.zeros(size, dtype=torch.uint8), dst=peer)
+        dist.recv(torch.zeros(1, dtype=torch.uint8), src=peer)
+    elif rank == peer:
+        dist.recv(torch.empty(size, dtype=torch.uint8), src=0)
+        dist.send(torch.zeros(1, dtype=torch.uint8), dst=0)
+    seconds = gather(time.perf_counter() - t0)[0]
+    return size * 8 / seconds / 1e6
+
+
+def _global_loss(kind: str, per_rank: list[float | None]) -> float:
+    """The step's global mean loss from every rank's return: DDP's ranks each return their replica's
+    mean (equal shares: their mean is the global one), the others the global mean where they hold it."""
+    held = [x for x in per_rank if x is not None]
+    return statistics.fmean(held) if kind == "ddp" else held[0]
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build every system, then measure them all at each rate the parent sets; rank 0's report."""
+    import torch.distributed as dist
+
+    from varuna.comm.rendezvous import init_distributed
+
+    rank, _ = init_distributed()
+    hosts = gather(socket.gethostname())
+    warmup = spec["warmup"]
+    batches = global_batches(spec)
+    runners = build(spec, batches[0])
+    kinds = {system_key(s): s["system"] for s in spec["systems"]}
+    control = Path(spec["control"])
+    points = []
+    for index in range(spec["rates"] + 1):  # the last ask: the parent unshapes the link
+        rate = wait_rate(control, index, ask=rank == 0, timeout_s=spec["rate_wait_s"])
+        dist.barrier()
+        if index == spec["rates"]:
+            break
+        t0 = time.perf_counter()
+        link = probe_link(hosts, rate)
+        measured = measure(runners, batches)
+        point: dict[str, Any] = {"index": index, "rate_mbit": rate, "link_mbit": link, "systems": {}}
+        for key, m in measured.items():
+            timed = m["step_s"][warmup:]
+            point["systems"][key] = {
+                "step_s": statistics.median(timed),
+                "timed_step_s": [round(t, 5) for t in timed],
+                "warmup_step_s": [round(t, 5) for t in m["step_s"][:warmup]],
+                "losses": [_global_loss(kinds[key], per) for per in m["losses"]],
+            }
+        points.append(point)
+        if rank == 0:
+            rates = ", ".join(
+                f"{k} {spec['global_batch_size'] / s['step_s']:.2f}" for k, s in point["systems"].items()
+            )
+            shaped = "unshaped" if rate is None else f"{rate:g} Mbit/s"
+            worker_log(
+                f"{shaped} (gloo saw {link:.0f} Mbit/s): {rates} samples/s ({time.perf_counter() - t0:.0f} s)"
+            )
+    for runner in runners.values():
+        if isinstance(runner, _VarunaRunner):
+            runner.engine.close()
+    return {"hosts": hosts, "points": points, "batches": len(batches), "warmup": warmup}
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(Path(argv[0]).read_text())
+    torch.set_num_threads(1)
+    # A hang becomes a traceback of every thread and exit 1 (then mpiexec ends the job), before
+    # the parent's own timeout has to kill anything.
+    faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
+    report = run(spec)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        out = Path(spec["out"])
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(out)
+    faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
