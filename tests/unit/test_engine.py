@@ -55,8 +55,8 @@ def test_a_misspelt_option_names_the_valid_ones(gpt) -> None:
     model, _ = gpt
     with pytest.raises(
         ConfigError,
-        match=r"unknown option 'checkpoint_kep'; did you mean 'checkpoint_keep'\? "
-        r"the options are: allow_batch_change, allreduce_dtype, bucket_mb, checkpoint_keep",
+        match=r"unknown option 'checkpoint_kep'; did you mean 'checkpoint_keep' or 'checkpoint_every'\? "
+        r"the options are: allow_batch_change, allreduce_dtype, bucket_mb, checkpoint_every, checkpoint_keep",
     ):
         Varuna(model, global_batch_size=8, micro_batch_size=2, checkpoint_kep=2)
     with pytest.raises(ConfigError, match=r"unknown option 'pipline'; did you mean 'pipeline'\?"):

@@ -16,7 +16,7 @@ from varuna.errors import ConfigError
 def varuna_with(**kw: Any) -> Callable[[Path], Result]:
     """`Varuna(model, ..., **kw)` must refuse `kw`."""
     pattern = {
-        "checkpoint_kep": r"unknown option 'checkpoint_kep'; did you mean 'checkpoint_keep'\?",
+        "checkpoint_kep": r"unknown option 'checkpoint_kep'; did you mean 'checkpoint_keep'",
         "checkpoint_keep": r"checkpoint_keep must be a positive integer, got '2'",
         "profile_repeats": r"profile_repeats must be a positive integer, got 0",
         "bucket_mb": r"bucket_mb must be a number > 0, got 0",
