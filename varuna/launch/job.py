@@ -310,13 +310,15 @@ class Job:
                         try:  # the pidfd is opened first, then checked: it cannot follow a reused pid
                             fd = os.pidfd_open(int(status["pid"]))
                         except (OSError, KeyError, TypeError, ValueError):
-                            self._deaths.append((time.time(), [rank]))  # gone before we looked
+                            # gone before we looked (a watcher starved of CPU looks late): when is
+                            # unknown, so it counts as before every death this watcher saw happen
+                            self._deaths.append((0.0, [rank]))
                             continue
                         if check_status(status).live:
                             fds[fd] = rank
                         else:
                             os.close(fd)
-                            self._deaths.append((time.time(), [rank]))
+                            self._deaths.append((0.0, [rank]))
             if not fds:
                 time.sleep(0.1)
             ready = select.select(list(fds), [], [], 0.1)[0] if fds else []

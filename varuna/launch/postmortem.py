@@ -107,10 +107,12 @@ def summarise(
     # A peer's "connection closed" is what every survivor raises when one rank dies: never the cause.
     primary = [f for f in failures if not _PEER_LOST.search(str(f.get("message", "")))]
     secondary = [f for f in failures if f not in primary]
-    first_dead = next(((t, sorted(set(b) & died)) for t, b in deaths if set(b) & died), None)
+    ordered = sorted(deaths, key=lambda d: d[0])  # a death seen only afterwards has time 0: earliest
+    first_dead = next(((t, sorted(set(b) & died)) for t, b in ordered if set(b) & died), None)
     lines: list[str] = []
     cause = ""
-    if first_dead and (not primary or first_dead[0] < primary[0].get("time", 0.0)):
+    # a death of unknown time (0: seen only afterwards) never outranks a rank's own exception
+    if first_dead and (not primary or 0.0 < first_dead[0] < primary[0].get("time", 0.0)):
         lines += [death(r) for r in first_dead[1]]
         cause = _ranks(first_dead[1])
         died -= set(first_dead[1])
