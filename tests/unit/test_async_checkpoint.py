@@ -6,6 +6,7 @@ path (the write's collectives on a group of their own) is in tests/multirank/tes
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,8 @@ def test_checkpoint_every_steps_writes_in_the_background(tmp_path: Path) -> None
 
 
 def test_checkpoint_every_seconds(tmp_path: Path) -> None:
-    engine, data = make(tmp_path, checkpoint_every="0.01s")
+    engine, data = make(tmp_path, checkpoint_every="0.05s")
+    time.sleep(0.1)  # the time is up by the first step's end, however fast the step
     engine.step(engine.batch(data, 0))
     engine.wait_checkpoint()
     assert ckpt.latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step-00000001"
