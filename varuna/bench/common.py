@@ -7,6 +7,7 @@
     global_batches
     gather
     worker_log
+    run_worker       a worker's entry: its spec, one thread, a hang dumped, rank 0 writes the result
 
 The workers' helpers import torch when called, so that a bench's parent process, which imports
 this module too, stays light.
@@ -19,9 +20,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from varuna._files import write_json_atomic
 from varuna.bench import ROOT, bench_env, log
 from varuna.errors import LaunchError
 
@@ -30,7 +33,17 @@ if TYPE_CHECKING:
 
     from varuna.models import GPT
 
-__all__ = ["run_job", "LR", "SEED", "DATA_SEED", "worker_log", "build_model", "global_batches", "gather"]
+__all__ = [
+    "run_job",
+    "LR",
+    "SEED",
+    "DATA_SEED",
+    "worker_log",
+    "build_model",
+    "global_batches",
+    "gather",
+    "run_worker",
+]
 
 LR = 1e-4
 SEED = 0
@@ -114,3 +127,23 @@ def gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def run_worker(argv: list[str], run: Callable[[dict[str, Any]], Any]) -> None:
+    """A bench worker's `main`: read the spec from the file `argv[0]` names, one torch thread, then
+    `run(spec)`; rank 0 writes what it returned (unless None) to ``spec["out"]`` atomically. A hang
+    past ``spec["hang_s"]`` becomes a traceback of every thread and exit 1 (then mpiexec ends the
+    job), before the parent's own timeout has to kill anything."""
+    import faulthandler
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(Path(argv[0]).read_text())
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
+    result = run(spec)
+    if result is not None and dist.get_rank() == 0:
+        write_json_atomic(Path(spec["out"]), result)
+    faulthandler.cancel_dump_traceback_later()

@@ -171,8 +171,3 @@ class GradBuckets:
             return _Reduced(dist.all_reduce(low, group=self._group, async_op=True), low, flat)
         flat.div_(self._world)
         return dist.all_reduce(flat, group=self._group, async_op=True)
-
-    def allreduce_mean(self, group: Any, world: int) -> list[Any]:
-        """Start the averaging all-reduce of every bucket at once; returns the works to wait for."""
-        self.begin_step(group, world)
-        return self.finish()

@@ -17,8 +17,6 @@ AdamW, and every system has run the same steps at each point: their losses agree
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import socket
 import statistics
 import sys
@@ -29,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from varuna.bench.common import LR, build_model, gather, global_batches, worker_log
+from varuna.bench.common import LR, build_model, gather, global_batches, run_worker, worker_log
 from varuna.bench.network.ddp_baseline import DDPRunner
 from varuna.bench.network.rates import wait_rate
 from varuna.bench.network.report import system_key
@@ -191,20 +189,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    spec = json.loads(Path(argv[0]).read_text())
-    torch.set_num_threads(1)
-    # A hang becomes a traceback of every thread and exit 1 (then mpiexec ends the job), before
-    # the parent's own timeout has to kill anything.
-    faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
-    report = run(spec)
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        out = Path(spec["out"])
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(out)
-    faulthandler.cancel_dump_traceback_later()
+    run_worker(argv, run)
 
 
 if __name__ == "__main__":

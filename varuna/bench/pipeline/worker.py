@@ -12,9 +12,7 @@ lines the ranks up to the end of the optimizer step; its time is the slowest ran
 
 from __future__ import annotations
 
-import faulthandler
 import functools
-import json
 import statistics
 import sys
 import time
@@ -25,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from varuna.bench.common import LR, build_model, gather, global_batches, worker_log
+from varuna.bench.common import LR, build_model, gather, global_batches, run_worker, worker_log
 from varuna.bench.pipeline.torch_baseline import TorchRunner
 
 REFERENCE = "torch.pipelining 1f1b (reference)"
@@ -367,20 +365,7 @@ def run_rounds(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> None:
-    spec = json.loads(Path(argv[0]).read_text())
-    torch.set_num_threads(1)
-    # A hang becomes a traceback of every thread and exit 1 (then mpiexec ends the job), before
-    # the parent's own timeout has to kill anything.
-    faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
-    results = run_rounds(spec)
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        out = Path(spec["out"])
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        tmp.replace(out)
-    faulthandler.cancel_dump_traceback_later()
+    run_worker(argv, run_rounds)
 
 
 if __name__ == "__main__":

@@ -29,19 +29,17 @@ rescaled: a measured step time is a plain median of timed steps, a prediction is
 
 from __future__ import annotations
 
-import faulthandler
 import functools
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from varuna.bench.common import run_worker
 from varuna.bench.planner.load import foreign_cores, host_busy_s, wait_quiet
 from varuna.data import SyntheticLM, collate, global_indices
 from varuna.models import GPT, GPTConfig
@@ -316,21 +314,15 @@ def _name(c: dict[str, Any]) -> str:
     return f"{c['pipeline']}x{c['data']} mbs {c['micro_batch_size']} {c['schedule']}"
 
 
-def main(argv: list[str]) -> None:
-    spec = json.loads(Path(argv[0]).read_text())
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(spec["hang_s"], exit=True)
+def _run(spec: dict[str, Any]) -> Any:
     if spec["mode"] == "profile":
-        profile(spec)
-    else:
-        import torch.distributed as dist
+        profile(spec)  # writes its own files
+        return None
+    return measure(spec)
 
-        results = measure(spec)
-        if dist.get_rank() == 0:
-            out = Path(spec["out"])
-            out.with_suffix(".tmp").write_text(json.dumps(results, indent=1))
-            out.with_suffix(".tmp").replace(out)
-    faulthandler.cancel_dump_traceback_later()
+
+def main(argv: list[str]) -> None:
+    run_worker(argv, _run)
 
 
 if __name__ == "__main__":
