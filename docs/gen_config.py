@@ -92,6 +92,10 @@ ENV_MEANINGS: dict[str, tuple[str, str]] = {
         "you",
         "`1`: a watcher thread per neighbour reports arrivals on gloo (off by default).",
     ),
+    "VARUNA_NOTICE_S": (
+        "you",
+        "The preemption notice window when `Varuna(notice_s=None)`: a SIGTERM means the host goes away this long after (90, 90s, 2min).",
+    ),
     "VARUNA_PIPELINE": (
         "launcher",
         "P, the pipeline depth of `varuna run --pipeline`; `Varuna(pipeline=None)` takes it.",

@@ -1,7 +1,7 @@
 """The ``varuna`` command line: ``varuna run --pipeline P --data D train.py [args ...]``.
 
 Everything after the script (or after ``-m module``) goes to the script untouched. The other
-subcommands (resize, plan, profile, consolidate) hang off the same parser.
+subcommands (resize, notice, plan, profile, consolidate) hang off the same parser.
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument(
         "--max-restarts", type=int, default=3, metavar="N", help="with --elastic: crash restarts (default 3)"
     )
+    run.add_argument(
+        "--watch-hosts",
+        action="store_true",
+        help="with --elastic and --hostfile: follow the hostfile as it changes (edits, `varuna hosts`): "
+        "shrink when a host goes, grow onto hosts that stayed --settle seconds",
+    )
+    run.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --watch-hosts: seconds a larger host set must stay before the job grows (default 30)",
+    )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as `python -m MODULE`")
     run.add_argument(
         "target", nargs=argparse.REMAINDER, metavar="script.py [args ...]", help="script and its args"
@@ -93,10 +106,87 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "a profile.json, else the pipeline depth closest to the current one",
     )
     resize.add_argument("--no-signal", action="store_true", help="only queue the shape for the next morph")
+    _add_hosts_parser(sub)
+    _add_notice_parser(sub)
     _add_plan_parser(sub)
     _add_profile_parser(sub)
     _add_consolidate_parser(sub)
     return parser, run
+
+
+def _add_hosts_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    hosts = sub.add_parser(
+        "hosts",
+        help="add, remove or list the hosts of a running job that watches its hostfile",
+        description="Edit the hostfile the job in RUN_DIR watches (`varuna run --elastic --watch-hosts`): "
+        "a host removed makes the job checkpoint and shrink at the end of its step; hosts added are grown "
+        "onto once they have stayed the job's settle time. `list` shows the live host set.",
+        epilog="example: varuna hosts runs/gpt add node7:4",
+    )
+    hosts.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the job's run directory")
+    hosts.add_argument("action", choices=("add", "remove", "list"), help="what to do")
+    hosts.add_argument(
+        "hosts", nargs="*", metavar="HOST[:SLOTS]", help="hosts to add (default 1 slot) or remove"
+    )
+
+
+def _add_notice_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    notice = sub.add_parser(
+        "notice",
+        help="tell a running job that hosts go away at a deadline: it checkpoints and exits before it",
+        description="Write a preemption notice for the job in RUN_DIR: its ranks train on while one more "
+        "step and a checkpoint still fit before the deadline, then checkpoint and exit with status 75; "
+        "an elastic job that follows its hosts (--watch-hosts) relaunches without the named ones.",
+        epilog="example: varuna notice runs/gpt --deadline 90s --host node3 --reason 'spot reclaim'",
+    )
+    notice.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running job's run directory")
+    notice.add_argument(
+        "--deadline",
+        required=True,
+        metavar="DURATION",
+        help="how long from now until the hosts go away: seconds (90) or 90s, 2min, 1h",
+    )
+    notice.add_argument(
+        "--host",
+        dest="hosts",
+        action="append",
+        metavar="HOST",
+        help="a host that goes away (repeat for several; default: all of them)",
+    )
+    notice.add_argument("--reason", default="varuna notice", metavar="TEXT", help="said in the job's events")
+
+
+def _notice(args: argparse.Namespace) -> int:
+    import time
+
+    from varuna.launch.notices import launch_info, parse_duration, post_stop
+
+    seconds = parse_duration(args.deadline, what="--deadline")
+    run_dir: Path = args.run_dir
+    if not (run_dir / "job.json").is_file():
+        raise ConfigError(
+            f"{run_dir} is not a varuna run directory (it has no job.json): give the --run-dir of a job "
+            "started with `varuna run` (or the workbench)"
+        )
+    info = launch_info(run_dir) or {}
+    running = isinstance(info.get("job_id"), str) and "end" not in info
+    job = info["job_id"] if running else None
+    deadline = time.time() + seconds
+    path = post_stop(run_dir, reason=args.reason, job=job, deadline=deadline, hosts=args.hosts)
+    hosts = ", ".join(sorted(args.hosts)) if args.hosts else "all hosts"
+    when = time.strftime("%H:%M:%S", time.localtime(deadline))
+    who = f"launch {job}" if job else "whichever launch runs"
+    print(
+        f"varuna: notice for {who} in {run_dir}: {hosts} go away in {seconds:g} s (at {when}); "
+        f"its ranks checkpoint and exit before then ({path.name})"
+    )
+    if not running:
+        print(
+            f"varuna: no launch of {run_dir} runs now (its job.json says it ended), so no rank acts on "
+            "the notice",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _add_consolidate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -301,6 +391,35 @@ def _resize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hosts(args: argparse.Namespace) -> int:
+    from varuna.elastic.agent import read_state
+    from varuna.elastic.hostset import edit_hostfile, parse_host, watched_hostfile
+
+    path = watched_hostfile(args.run_dir)
+    if args.action == "list":
+        if args.hosts:
+            raise ConfigError(f"`varuna hosts RUN_DIR list` takes no hosts, got {' '.join(args.hosts)}")
+        live = (read_state(args.run_dir) or {}).get("hosts") or {}
+        print(f"watched hostfile: {path}")
+        for key in ("listed", "available", "offered"):
+            hosts = live.get(key) or {}
+            print(f"{key:>9}: {' '.join(f'{h}:{n}' for h, n in hosts.items()) or '-'}")
+        print(f"{'dead':>9}: {' '.join(live.get('dead') or []) or '-'}")
+        if live.get("morph_asked"):
+            print(f"{'morphing':>9}: {live['morph_asked']}")
+        return 0
+    if not args.hosts:
+        raise ConfigError(f"`varuna hosts RUN_DIR {args.action}` needs at least one HOST[:SLOTS]")
+    if args.action == "add":
+        add = dict(parse_host(h) for h in args.hosts)
+        after = edit_hostfile(path, add={h: n or 1 for h, n in add.items()})
+    else:
+        after = edit_hostfile(path, remove=[parse_host(h, default_slots=None)[0] for h in args.hosts])
+    listed = " ".join(f"{h}:{n}" for h, n in after.items()) or "no host"
+    print(f"varuna: {path} now lists {listed}; the job follows at the end of a step")
+    return 0
+
+
 def _split_target(argv: list[str], run: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
     """Split ``run ...`` into varuna's options and the target's arguments, which pass untouched.
 
@@ -330,6 +449,21 @@ def _run(args: argparse.Namespace) -> int:
         script_argv = list(args.target)
     else:
         raise ConfigError(f"nothing to run: give a script or -m MODULE ({EXAMPLE})")
+    if args.watch_hosts:
+        if not args.elastic or args.hostfile is None:
+            raise ConfigError("--watch-hosts needs --elastic and --hostfile FILE (the hostfile to follow)")
+        from varuna.elastic.agent import run_foreground
+
+        return run_foreground(
+            script_argv,
+            pipeline=args.pipeline,
+            data=args.data,
+            run_dir=args.run_dir,
+            hostfile=args.hostfile,
+            max_restarts=args.max_restarts,
+            timeout_s=args.timeout,
+            settle_s=args.settle,
+        )
     if args.elastic:
         from varuna.elastic.supervisor import run_elastic
 
@@ -369,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
             return _profile(args)
         if args.command == "resize":
             return _resize(args)
+        if args.command == "notice":
+            return _notice(args)
+        if args.command == "hosts":
+            return _hosts(args)
         if args.command == "plan":
             return _plan(args)
         if args.command == "consolidate":

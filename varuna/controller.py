@@ -39,8 +39,9 @@ from typing import Any, Literal
 import zmq
 
 from varuna.elastic import agent as _agent
-from varuna.elastic.agent import legacy_state
+from varuna.elastic.agent import host_source, legacy_state
 from varuna.elastic.hosts import HostWatch, controller_interface, host_down
+from varuna.elastic.hostset import DEFAULT_SETTLE_S, check_settle
 from varuna.elastic.protocol import request_resize
 from varuna.elastic.reshape import ShapeChoice, shape_for_gpus
 from varuna.errors import ConfigError, LaunchError, check_int
@@ -227,12 +228,19 @@ class JobController(StoreViews):
         resume: str | None = None,
         max_restarts: int = 0,
         silent_after_s: float = DEFAULT_SILENT_AFTER_S,
+        watch_hosts: str | None = None,
+        settle_s: float = DEFAULT_SETTLE_S,
     ) -> JobController:
         """Launch `script_argv` at `pipeline` x `data` under its own agent process; return at once.
 
         The arguments are checked here, in the caller. With `elastic`, a morph exit relaunches in the
         queued shape; a failure relaunches from the latest checkpoint up to `max_restarts` times. A rank
-        not heard from for `silent_after_s` seconds is reported (`silent_ranks()`)."""
+        not heard from for `silent_after_s` seconds is reported (`silent_ranks()`).
+
+        `watch_hosts` makes the job follow a live host set (`varuna.elastic.hostset`): "hostfile" (the
+        `hostfile`, whose edits and `varuna hosts RUN_DIR add|remove` take effect) or "slurm" (the
+        allocation). The job shrinks when a host it runs on goes and grows onto hosts that stayed
+        `settle_s` seconds, in the shape the planner picks for the slots (same global batch)."""
         run_dir = (
             Path(run_dir) if run_dir is not None else Path.cwd() / "runs" / time.strftime("%Y%m%d-%H%M%S")
         )
@@ -246,6 +254,10 @@ class JobController(StoreViews):
             timeout_s=timeout_s,
         )
         check_int(max_restarts, "max_restarts", minimum=0)
+        settle_s = check_settle(settle_s)
+        host_source(
+            {"watch_hosts": watch_hosts, "hostfile": hostfile}
+        )  # a ConfigError here, not in the agent
         self = cls(run_dir, interface=interface, silent_after_s=silent_after_s)
         self._bind(hostfile=hostfile)
         spec = {
@@ -256,6 +268,8 @@ class JobController(StoreViews):
             "elastic": elastic,
             "max_restarts": max_restarts,
             "env": dict(env or {}),
+            "watch_hosts": watch_hosts,
+            "settle_s": settle_s,
         }
         try:
             self._launch_agent(spec, pipeline, data, resume)
@@ -412,24 +426,29 @@ class JobController(StoreViews):
         Raises TimeoutError when not every rank reported within `timeout` seconds.
         """
         launch = self._running_launch("checkpoint")
-        before = len(self.store.events("checkpoint_done", job=launch.job_id))
+
+        def asked() -> list[dict[str, Any]]:  # not the background writes of `checkpoint_every`
+            return [
+                e
+                for e in self.store.events("checkpoint_done", job=launch.job_id)
+                if e.get("blocking", True) is not False
+            ]
+
+        before = len(asked())
         with self._lock:
             self._overlay = ("checkpointing", launch.job_id)
         try:
             self._send("checkpoint")
 
             def done() -> bool:
-                return (
-                    len(self.store.events("checkpoint_done", job=launch.job_id)) >= before + launch.world
-                    or self.exit_code is not None
-                )
+                return len(asked()) >= before + launch.world or self.exit_code is not None
 
             self._wait_until(done, timeout)
         finally:
             with self._lock:
                 if self._overlay is not None and self._overlay[0] == "checkpointing":
                     self._overlay = None
-        events = self.store.events("checkpoint_done", job=launch.job_id)[before:]
+        events = asked()[before:]
         if len(events) < launch.world:
             raise TimeoutError(
                 f"{len(events)} of {launch.world} ranks reported checkpoint_done within {timeout:g} s"

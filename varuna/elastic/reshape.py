@@ -91,9 +91,10 @@ def choose_shape(gpus: int, engine_info: dict[str, Any]) -> Shape:
     return min(fits, key=lambda s: (s.pipeline < current, abs(s.pipeline - current)))
 
 
-def shape_for_gpus(run_dir: Path, gpus: int) -> ShapeChoice:
+def shape_for_gpus(run_dir: Path, gpus: int, *, depth: int | None = None) -> ShapeChoice:
     """The shape `varuna resize --gpus N` asks for: the planner's best when the run directory has a
-    profile of this run's model (RUN_DIR/profile.json), else `choose_shape`'s rule; says which.
+    profile of this run's model (RUN_DIR/profile.json), else `choose_shape`'s rule, keeping the
+    pipeline depth near `depth` (default: the running one); says which.
 
     The planner keeps what the job keeps across a relaunch: the global batch and, unless the job
     runs with pipeline="auto" (which re-plans everything but what the user fixed), its micro-batch
@@ -109,6 +110,8 @@ def shape_for_gpus(run_dir: Path, gpus: int) -> ShapeChoice:
             f"{run_dir} has no engine.json yet (has the job started training?); give --pipeline and --data"
         )
     info = read_engine_info(info_path)
+    if depth is not None:
+        info = {**info, "pipeline": depth}
     profile = run_dir / "profile.json"
     if not profile.is_file():
         shape = choose_shape(gpus, info)

@@ -15,6 +15,7 @@ the flat form back (engine.json, checkpoints' extra data). The engine builds it,
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -97,6 +98,11 @@ class EngineConfig:
     """First fp16 loss scale."""
     profile_repeats: int = 3
     """Measured repetitions of the start-up segment profile."""
+    notice_s: float | None = None
+    """The preemption notice window, seconds: a SIGTERM on a rank means its host goes away this
+    long after, and the job trains on while one more step and a checkpoint still fit before then
+    (`varuna.engine.notice`). None: ``VARUNA_NOTICE_S`` (90, 90s, 2min) if set, else SIGTERM stops
+    at the end of the step, like SIGUSR1."""
 
     def __post_init__(self) -> None:
         for name in ("pipeline", "data", "global_batch_size", "micro_batch_size", "profile_repeats"):
@@ -150,6 +156,14 @@ class EngineConfig:
             raise ConfigError(f"overlap_allreduce must be True or False, got {self.overlap_allreduce!r}")
         for name in ("bucket_mb", "init_loss_scale"):
             check_number(getattr(self, name), name)
+        n = self.notice_s
+        if n is not None and (
+            isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 <= n < math.inf
+        ):
+            raise ConfigError(
+                f"notice_s={n!r}: give the preemption notice window in seconds (a number >= 0, e.g. 90), "
+                "or None"
+            )
 
     @property
     def num_microbatches(self) -> int:

@@ -44,6 +44,7 @@ from varuna.engine.config import VarunaConfig
 from varuna.engine.evaluate import Evaluation, MetricsFn
 from varuna.engine.evaluate import evaluate as _evaluate
 from varuna.engine.materialize import InitFn, is_meta, materialize, require_init
+from varuna.engine.notice import Decision, NoticeWatch
 from varuna.engine.observer import Observer
 from varuna.engine.precision import LossScaler, autocast_policy
 from varuna.engine.preflight import check as check_memory
@@ -51,6 +52,7 @@ from varuna.engine.preflight import rank_estimate
 from varuna.engine.refit import OrderRefit
 from varuna.engine.runtime import Chunk, StageRuntime, StepTimes
 from varuna.errors import CheckpointError, ConfigError, check_int
+from varuna.launch.notices import parse_duration
 from varuna.metrics import MetricsLogger
 from varuna.planner.costs import model_signature
 from varuna.schedule import Action, build_schedule, forward_only, schedule_spec
@@ -156,6 +158,8 @@ class Varuna:
         if data is None:
             data = env.data if env.data is not None else max(self.world_size // max(pipeline, 1), 1)
         partition, run_dir, resume = args.pop("partition"), args.pop("run_dir"), args.pop("resume")
+        if args.get("notice_s") is None and os.environ.get("VARUNA_NOTICE_S", "").strip():
+            args["notice_s"] = parse_duration(os.environ["VARUNA_NOTICE_S"], what="VARUNA_NOTICE_S")
         self.config = VarunaConfig(
             pipeline=pipeline,
             data=data,
@@ -344,7 +348,14 @@ class Varuna:
         self.history: list[dict[str, float]] = []
         self._loggers: list[tuple[MetricsLogger, int]] = []
         self.stop_request = StopRequest()
-        self.stop_request.install()
+        self.stop_request.install(notice_s=self.config.engine.notice_s)
+        self._notice = NoticeWatch(
+            self.stop_request,
+            run_dir=vdist.launch_env().run_dir,
+            job=os.environ.get("VARUNA_JOB_ID") or None,
+            rank=self.rank,
+        )
+        self._decision: Decision | None = None
         self.should_stop = False
         self._pending_optimizer: tuple[dict[str, torch.Tensor], list[dict[str, Any]], Any] | None = None
         self.resumed_from: Path | None = None
@@ -406,9 +417,17 @@ class Varuna:
                 lr_scheduler.load_state_dict(scheduler_state)
             self._pending_optimizer = None
 
-    def request_stop(self, reason: str = "request_stop()") -> None:
-        """Ask every rank to stop after the current step (the morph protocol; see varuna.elastic.protocol)."""
-        self.stop_request.set(reason)
+    def request_stop(
+        self,
+        reason: str = "request_stop()",
+        *,
+        deadline: float | None = None,
+        hosts: Sequence[str] | None = None,
+    ) -> None:
+        """Ask every rank to stop after the current step (the morph protocol; see varuna.elastic.protocol),
+        or with `deadline` (epoch seconds: a preemption notice for `hosts`, None: all) after the
+        last step that leaves time to checkpoint before it (`varuna.engine.notice`)."""
+        self.stop_request.set(reason, deadline=deadline, hosts=None if hosts is None else list(hosts))
 
     def batch(
         self,
@@ -478,6 +497,7 @@ class Varuna:
             self._exit_to_morph()
         if self._pending_checkpoint is not None and self._pending_checkpoint.done():
             self.wait_checkpoint()  # a background write that failed raises here
+        self._notice.begin_step()
         t0 = time.perf_counter()
         micro = self._micro_batches(batch)
         losses, times = self._run_pipeline(micro)
@@ -485,6 +505,8 @@ class Varuna:
         self.should_stop = stop
         self._update(loss, total_sq, micro, times)
         self.step_count += 1
+        if stop:
+            self._announce_stop()
         times.total_s = time.perf_counter() - t0
         self.last_times = times
         self.history.append(
@@ -511,6 +533,7 @@ class Varuna:
         elif self._morph_exit is None and (timed_ckpt or self._checkpoint_due()):
             self.checkpoint(blocking=False)  # `checkpoint_every`: written while training goes on
             self._last_checkpoint_time = time.monotonic()
+        self._notice.end_step()
         return loss
 
     def _checkpoint_due(self) -> bool:
@@ -587,6 +610,7 @@ class Varuna:
         t0 = time.perf_counter()
         sumsq = self._local_sumsq()
         want_ckpt = self.observer.poll()  # rank 0's controller commands (stop sets stop_request)
+        stop_now = self._stop_decision().stop
         every_s = self.config.checkpoint.every_s
         timed = (
             self.rank == 0
@@ -597,7 +621,7 @@ class Varuna:
             [
                 float(sum(losses)) / cfg.num_microbatches if losses else 0.0,
                 sumsq,
-                float(bool(self.stop_request)),
+                float(stop_now),
                 float(want_ckpt),
                 float(timed),
             ],
@@ -609,6 +633,35 @@ class Varuna:
         times.comm_s += time.perf_counter() - t0
         loss, sq = float(flags[0]) / cfg.data, float(flags[1]) / cfg.data
         return loss, sq, bool(flags[2] > 0), bool(flags[3] > 0), bool(flags[4] > 0)
+
+    def _stop_decision(self) -> Decision:
+        """This rank's stop answer for the step's all-reduce: rank 0 reads the stop files first, each
+        notice this rank holds is reported once, and a deadline is weighed (`varuna.engine.notice`)."""
+        self._notice.poll()
+        for notice in self._notice.new_notices():
+            self.observer.on_notice(self._notice.describe(notice))
+        pending = self._pending_checkpoint
+        self._decision = self._notice.decide(writing=pending is not None and not pending.done())
+        return self._decision
+
+    def _announce_stop(self) -> None:
+        """The ranks agreed to stop after this step: say so once, from rank 0 and from every rank
+        that holds a request of its own (a SIGTERM reaches only one host's ranks)."""
+        if self._notice.stop_announced or not (self.rank == 0 or self.stop_request):
+            return
+        self._notice.stop_announced = True
+        d, deadline = self._decision, self.stop_request.deadline
+        self.observer.on_stop(
+            {
+                "reason": self.stop_request.reason or "another rank",
+                "deadline": deadline,
+                "seconds_left": None if deadline is None else deadline - time.time(),
+                "decided_here": bool(d is not None and d.stop),
+                "step_s": d.step_s if d is not None else None,
+                "checkpoint_s": d.checkpoint_s if d is not None else None,
+                "needed_s": d.needed_s if d is not None else None,
+            }
+        )
 
     def _update(self, loss: float, total_sq: float, micro: list[dict[str, Any]], times: StepTimes) -> None:
         """Unscale and clip the gradients and step the optimizer and scheduler, unless the step
@@ -756,6 +809,7 @@ class Varuna:
             self._pending_checkpoint = saved
         else:
             self.last_checkpoint = saved
+            self._notice.checkpoint_measured(saved["seconds"])
         return path
 
     def wait_checkpoint(self) -> dict[str, Any] | None:
@@ -764,8 +818,10 @@ class Varuna:
         pending, self._pending_checkpoint = self._pending_checkpoint, None
         if pending is None:
             return None
-        self.last_checkpoint = pending.wait()
-        return self.last_checkpoint
+        self.last_checkpoint = record = pending.wait()
+        self._notice.checkpoint_measured(record["seconds"])
+        self.observer.checkpoint_done(record)
+        return record
 
     def _write_engine_info(self) -> None:
         assert self.config.run_dir is not None

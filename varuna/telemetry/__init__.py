@@ -13,6 +13,7 @@ _WHERE = {
     "Channel": "channel",
     "EventStore": "store",
     "RankRow": "store",
+    "NoticeView": "store",
     "StageMemory": "store",
     "StepMetrics": "store",
     "Timeline": "store",

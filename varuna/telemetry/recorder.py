@@ -6,7 +6,9 @@
 
 The engine makes three calls: `Telemetry.attach(engine)` at the end of construction (emits
 `hello` and `ready`), `poll()` before the per-step all-reduce (rank 0's `checkpoint`/`stop`
-commands ride that all-reduce, so every rank acts on the same step) and `on_step(loss, times)`.
+commands ride that all-reduce, so every rank acts on the same step) and `on_step(loss, times)`;
+and, as they happen, `checkpoint_done` (blocking or background), `on_notice` (a preemption notice:
+a `notice` event) and `on_stop` (the ranks agreed to stop: a `stop_decided` event).
 It is the engine's and the runtime's observer (`varuna.engine.observer.Observer`): the
 runtime calls `step()` around each step's actions (to count the bytes autograd saves for backward
 on sampled steps, and to report an exception as an `error` event) and `on_send` after each send;
@@ -299,17 +301,33 @@ class Telemetry:
         self.emit("error", error_type=type(exc).__name__, message=str(exc), traceback=text)
 
     def checkpoint_done(self, info: dict[str, Any] | None, *, exit_code: int | None = None) -> None:
-        """After `engine.checkpoint()`: a `checkpoint_done` event, and `exit` (with `exit_code`, the
-        engine's morph exit status) when the job now morphs."""
-        self._checkpoint_wanted = False
+        """After a checkpoint's commit: a `checkpoint_done` event (``blocking`` False, with the
+        ``copy_s`` the step spent, for one written in the background), and `exit` (with `exit_code`,
+        the engine's morph exit status) when the job now morphs."""
+        blocking = info is None or info.get("blocking", True) is not False
+        if blocking:  # a background write that ends is not the checkpoint a controller asked for
+            self._checkpoint_wanted = False
         if info is not None:
+            extra = {} if blocking else {"copy_s": info.get("copy_s")}
             self.emit(
                 "checkpoint_done",
                 **{k: info[k] for k in ("path", "bytes", "seconds")},
                 saved_step=info["step"],
+                blocking=blocking,
+                **extra,
             )
         if exit_code is not None and self._engine is not None:
             self.emit("exit", code=exit_code, reason=f"stop requested ({self._engine.stop_request.reason})")
+
+    def on_notice(self, notice: dict[str, Any]) -> None:
+        """A `notice` event: this rank got a preemption notice (reason, deadline, hosts, source,
+        seconds_left)."""
+        self.emit("notice", **notice)
+
+    def on_stop(self, decision: dict[str, Any]) -> None:
+        """A `stop_decided` event: the ranks stop after this step (reason, deadline, seconds_left,
+        decided_here, step_s, checkpoint_s, needed_s)."""
+        self.emit("stop_decided", **decision)
 
     # commands ----------------------------------------------------------------------------------
     def poll(self) -> bool:

@@ -23,9 +23,10 @@ __all__ = [
     "StepMetrics",
     "StageMemory",
     "RankRow",
+    "NoticeView",
 ]
 
-LIFECYCLE = ("hello", "ready", "checkpoint_done", "exit", "error")
+LIFECYCLE = ("hello", "ready", "checkpoint_done", "exit", "error", "notice", "stop_decided")
 
 
 @dataclass(slots=True)
@@ -109,6 +110,27 @@ class RankRow:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class NoticeView:
+    """The preemption notice of the newest launch, and how the job met it (epoch seconds)."""
+
+    job: str | None
+    reason: str
+    deadline: float
+    hosts: list[str] | None
+    """The hosts that go away (None: all)."""
+    rank: int | None
+    """The rank that reported it (rank 0 for a stop file; a SIGTERM reaches one host's ranks)."""
+    seen_step: int | None
+    """Steps done when the rank got it."""
+    stop_step: int | None = None
+    """The step after which the ranks stopped (None: still training)."""
+    stop_seconds_left: float | None = None
+    checkpoint_time: float | None = None
+    """When the stop's checkpoint was committed."""
+    exited: bool = False
+
+
 class EventStore:
     """Every event of a job, indexed for the views; safe to use from several threads."""
 
@@ -176,6 +198,45 @@ class EventStore:
             ]
 
     # views -------------------------------------------------------------------------------------
+    def notice(self) -> NoticeView | None:
+        """The newest launch's preemption notice with the earliest deadline, with its stop, the stop's
+        checkpoint and exit as they arrive; None when that launch got none."""
+        with self._lock:
+            hellos = [e for e in self.lifecycle if e["type"] == "hello"]
+            job = hellos[-1].get("job") if hellos else None
+            mine = [e for e in self.lifecycle if e.get("job") == job]
+        notices = [e for e in mine if e["type"] == "notice" and isinstance(e.get("deadline"), (int, float))]
+        if not notices:
+            return None
+        first = min(notices, key=lambda e: float(e["deadline"]))
+        hosts = first.get("hosts")
+        view = NoticeView(
+            job=job,
+            reason=str(first.get("reason") or ""),
+            deadline=float(first["deadline"]),
+            hosts=[str(h) for h in hosts] if isinstance(hosts, list) else None,
+            rank=first.get("rank"),
+            seen_step=first.get("step"),
+        )
+        stops = [e for e in mine if e["type"] == "stop_decided"]
+        if stops:
+            view.stop_step = stops[0].get("step")
+            left = [
+                float(e["seconds_left"]) for e in stops if isinstance(e.get("seconds_left"), (int, float))
+            ]
+            view.stop_seconds_left = min(left) if left else view.deadline - float(stops[0].get("time", 0.0))
+            saved = [
+                e
+                for e in mine
+                if e["type"] == "checkpoint_done"
+                and e.get("blocking", True) is not False
+                and e.get("saved_step") == view.stop_step
+            ]
+            if saved:
+                view.checkpoint_time = max(float(e.get("time", 0.0)) for e in saved)
+            view.exited = any(e["type"] == "exit" for e in mine)
+        return view
+
     def ranks(self) -> list[RankRow]:
         """The ranks table, by rank."""
         with self._lock:
@@ -392,6 +453,10 @@ class StoreViews:
     def ranks(self) -> list[RankRow]:
         """Rank, stage, replica, state, last heartbeat, host, pid."""
         return self.store.ranks()
+
+    def notice(self) -> NoticeView | None:
+        """The newest launch's preemption notice and how the job met it (None: it got none)."""
+        return self.store.notice()
 
     def export_chrome_trace(self, path: str | Path, last_steps: int | None = None) -> Path:
         """Write a Chrome/Perfetto trace JSON of the recorded spans (with send -> recv arrows)."""

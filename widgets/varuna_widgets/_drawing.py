@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from varuna.controller import JobController
 from varuna.errors import VarunaError
-from varuna.telemetry import Timeline, compare_step, step_spans
+from varuna.telemetry import NoticeView, Timeline, compare_step, step_spans
 from varuna_widgets import figures
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class Drawing:
     curves_fig: PlotView
     ranks_table: w.HTML
     problems: w.HTML
+    notice_line: w.HTML
     stragglers: StragglerPanel
 
     if TYPE_CHECKING:  # Workbench's own; only the type checker sees these, so Workbench's run
@@ -114,6 +115,7 @@ class Drawing:
             key = (state, count, self.slider.value if self.replay_mode else None)
             if not force and self._seen.get("key") == key:
                 self._update_heartbeats(ctl)
+                self._draw_notice(ctl)  # the countdown moves without events
                 return False
             self._seen["key"] = key
             self._draw_controls(state)
@@ -125,6 +127,7 @@ class Drawing:
                 self._draw_curves(ctl, metrics)
                 self._draw_ranks(ctl)
                 self._draw_problems(ctl)
+                self._draw_notice(ctl)
                 self.stragglers.draw(ctl)
             self.refreshes += 1
             self.refresh_seconds.append(time.perf_counter() - t0)
@@ -314,6 +317,14 @@ class Drawing:
         if ctl is not None and time.time() - self._seen.get("beats", 0.0) >= 1.0:
             self._draw_ranks(ctl)
 
+    def _draw_notice(self, ctl: JobController | None) -> None:
+        """The newest launch's preemption notice and its countdown (whole seconds, so at most one
+        message a second); replayed, the deadline's time instead of a countdown."""
+        notice = ctl.notice() if ctl is not None else None
+        value = notice_html(notice, now=None if self.replay_mode else time.time())
+        if self.notice_line.value != value:
+            self.notice_line.value = value
+
     def _draw_problems(self, ctl: JobController) -> None:
         dead = ctl.dead_ranks()
         if not dead:
@@ -345,6 +356,38 @@ class Drawing:
             + "".join(parts)
             + "<div>Press Resume to relaunch from the last checkpoint.</div></div>"
         )
+
+
+def notice_html(notice: NoticeView | None, *, now: float | None) -> str:
+    """The notice line: who goes away when, the countdown to the deadline at `now` (None: a replay,
+    no countdown), and how the job met it (stopped after step N, checkpointed s before it).
+
+        notice_html(view, now=time.time())
+    """
+    if notice is None:
+        return ""
+    hosts = ", ".join(notice.hosts) if notice.hosts else "all hosts"
+    at = time.strftime("%H:%M:%S", time.localtime(notice.deadline))
+    parts = [f"<b>preemption notice</b> ({html.escape(notice.reason)}): {html.escape(hosts)} go away at {at}"]
+    if now is not None:
+        left = notice.deadline - now
+        parts.append(f"<b class='countdown'>in {left:.0f} s</b>" if left > 0 else "<b>deadline passed</b>")
+    if notice.stop_step is None:
+        parts.append("training on while a step and a checkpoint fit")
+    else:
+        spare = f" with {notice.stop_seconds_left:.1f} s left" if notice.stop_seconds_left is not None else ""
+        parts.append(f"stopped after step {notice.stop_step}{spare}")
+        if notice.checkpoint_time is not None:
+            before = notice.deadline - notice.checkpoint_time
+            parts.append(
+                f"checkpointed {before:.1f} s before the deadline"
+                if before >= 0
+                else f"checkpointed {-before:.1f} s after the deadline"
+            )
+        elif not notice.exited:
+            parts.append("checkpointing")
+    color = "#2E7D32" if notice.checkpoint_time is not None else "#B58900"
+    return f"<div style='border-left:4px solid {color};padding:4px 8px'>" + " · ".join(parts) + "</div>"
 
 
 def _dash(value: Any) -> str:

@@ -15,7 +15,8 @@ resize never blocks the kernel; the state line always says where the job is.
 
 DOM contract (the browser test relies on it): buttons labelled "Start", "Checkpoint", "Resize",
 "Resume", "Stop", "Export trace"; IntText "P", "D", "GPUs"; the state line has class
-`varuna-state` and reads "state: ..."; the figures have classes `varuna-timeline`,
+`varuna-state` and reads "state: ..."; a preemption notice shows in `varuna-notice` (empty without
+one) with its countdown; the figures have classes `varuna-timeline`,
 `varuna-bubbles`, `varuna-memory`, `varuna-curves`; the ranks table `varuna-ranks`; the straggler panel's (button
 "Exclude host", figure `varuna-stragglers`) are in `varuna_widgets.stragglers`.
 """
@@ -143,6 +144,8 @@ class Workbench(Drawing):
         self.gpus_input.tooltip = "0: resize to P x D; N > 0: let the planner pick a P x D for N devices"
         self.message = w.HTML("")
         self.message.add_class("varuna-message")
+        self.notice_line = w.HTML("")
+        self.notice_line.add_class("varuna-notice")
         self.timeline_fig = PlotView(
             data=figures.timeline_traces(_empty_timeline()),
             layout={
@@ -201,6 +204,7 @@ class Workbench(Drawing):
             [
                 w.HBox([self.state_line, self.progress, self.progress_label]),
                 w.HBox(controls, layout=w.Layout(flex_flow="row wrap")),
+                self.notice_line,
                 self.message,
                 self.problems,
                 self.timeline_fig,
