@@ -1,8 +1,9 @@
 """`python -m varuna.bench network --json --quick` across namespace hosts, and the report's pure parts.
 
 Benchmarks never gate: the quick run asserts that every system and shape ran at every rate, where the
-ranks ran, and that the shaping bites (data parallelism slows on the shaped link), never a ratio
-between systems.
+ranks ran, that the shaping bites (data parallelism slows on the shaped link) and that the planner
+picked a shape of the 4 devices at every rate, never a ratio between systems nor the planner's
+targets.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from _helpers import run_bench
 
 from varuna.bench.netns import unavailable
 from varuna.bench.network import NetworkBench, crossover, expected_hosts, placement_of, quick
+from varuna.bench.network.planner import judge_point, summarize
 from varuna.bench.network.rates import LinkSchedule, wait_rate
+from varuna.bench.network.report import planner_lines
+from varuna.bench.network.worker import network_probe_bytes
 from varuna.errors import ConfigError
 
 SYSTEMS = {
@@ -28,6 +33,7 @@ SYSTEMS = {
     ("varuna", "4x1", None),
     ("ddp", "1x4", None),
     ("torch.pipelining", "4x1", None),
+    ("torch.pipelining", "2x2", "stages-across-hosts"),
 }
 
 
@@ -89,7 +95,11 @@ def test_the_crossover_is_the_highest_rate_where_pipelining_beats_both() -> None
         ({"warmup": -1}, r"warmup must be >= 0 \(got -1\)"),
         ({"steps": 0}, r"NetworkBench.steps must be a positive integer"),
         ({"schedule": "varuna"}, r"schedule 'varuna' is not one of \('gpipe', '1f1b', "),
-        ({"partition": "even"}, r"partition 'even': use 'balanced', 'fastest' or 'uniform'"),
+        (
+            {"partition": "even"},
+            r"partition 'even': use one of 'planner', 'balanced', 'fastest', 'uniform'",
+        ),
+        ({"profile_repeats": 0}, r"NetworkBench.profile_repeats must be a positive integer"),
     ],
 )
 def test_bad_network_bench_settings_name_the_fix(change: dict, message: str) -> None:
@@ -97,6 +107,34 @@ def test_bad_network_bench_settings_name_the_fix(change: dict, message: str) -> 
 
     with pytest.raises(ConfigError, match=message):
         NetworkBench(**(asdict(quick()) | change))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"pipeline": 2}, r"torch.pipelining job has 1 ranks but the spec says pipeline=2 x data=1 = 2"),
+        (
+            {"global_batch_size": 5},
+            r"global batch 5 is not a multiple of data x micro_batch_size = 1 x 2",
+        ),
+    ],
+)
+def test_a_torch_pipelining_runner_that_does_not_fit_the_job_names_the_fix(
+    change: dict, message: str
+) -> None:
+    from varuna.bench.pipeline.torch_baseline import TorchRunner
+    from varuna.comm.rendezvous import init_distributed
+
+    init_distributed()  # a one-process group
+    spec = {
+        "model": quick().model,
+        "pipeline": 1,
+        "global_batch_size": 16,
+        "micro_batch_size": 2,
+        "boundaries_by_schedule": {"1f1b": []},
+    }
+    with pytest.raises(ConfigError, match=message):
+        TorchRunner(spec | change, "1f1b")
 
 
 def test_a_too_shallow_model_cannot_make_four_stages() -> None:
@@ -110,6 +148,105 @@ def test_a_too_shallow_model_cannot_make_four_stages() -> None:
     }
     with pytest.raises(ConfigError, match="the 4x1 shape needs at least 4 pieces to cut; the model has 2"):
         NetworkBench(model=model)
+
+
+def _candidate(P: int, D: int, placement: str, step_s: float) -> SimpleNamespace:
+    return SimpleNamespace(
+        pipeline=P,
+        data=D,
+        placement=placement,
+        predicted_step_s=step_s,
+        samples_per_s=16 / step_s,
+        micro_batch_size=2,
+        schedule="1f1b",
+        recompute=False,
+        boundaries=(0, 1, 2)[: P - 1],
+    )
+
+
+def _measured(shape: str, placement: str | None, planner_placement: str, step_s: float) -> dict:
+    return {
+        "system": "varuna",
+        "shape": shape,
+        "placement": placement,
+        "planner_placement": planner_placement,
+        "step_s": step_s,
+        "samples_per_s": 16 / step_s,
+    }
+
+
+RESULTS = [
+    _measured("1x4", None, "block", 0.5),
+    _measured("2x2", "replicas-across-hosts", "block", 0.4),
+    _measured("4x1", None, "block", 0.25),
+    {"system": "ddp", "shape": "1x4", "placement": None, "step_s": 0.1, "samples_per_s": 160.0},
+    _measured("2x2", "stages-across-hosts", "cyclic", 0.2),
+]
+NETWORK = SimpleNamespace(
+    gpus_per_host=2,
+    inter_host_bandwidth_Bps=2.5e6,
+    inter_host_latency_s=1e-4,
+    p2p_bandwidth_Bps=1e9,
+    p2p_latency_s=5e-5,
+)
+
+
+def test_the_pick_is_held_against_the_best_measured_varuna_shape_of_its_placement() -> None:
+    ranking = SimpleNamespace(  # the planner's order: 4x1 first, then the stages-across-hosts 2x2
+        ranked=[
+            _candidate(4, 1, "block", 0.22),
+            _candidate(2, 2, "cyclic", 0.23),
+            _candidate(4, 1, "cyclic", 0.3),
+            _candidate(2, 2, "block", 0.44),
+            _candidate(1, 4, "block", 0.45),
+        ]
+    )
+    judged = judge_point(ranking, RESULTS, NETWORK)  # type: ignore[arg-type]
+    pick = judged["planner"]
+    assert pick["shape"] == [4, 1] and pick["placement"] == "block"
+    assert pick["measured_as"] == "varuna 4x1"
+    # the pick ran at 64 samples/s, the best Varuna shape (2x2 stages apart, not DDP) at 80
+    assert judged["planner_vs_best"] == pytest.approx(0.8)
+    assert judged["predicted_vs_measured"] == pytest.approx(0.88)
+    assert pick["network"]["inter_host_mbit"] == 20.0 and pick["network"]["gpus_per_host"] == 2
+    measured = {(x["shape"], x["placement"]): x["measured_as"] for x in pick["predictions"]}
+    assert measured == {
+        ("4x1", "block"): "varuna 4x1",
+        ("2x2", "cyclic"): "varuna 2x2 (stages apart)",
+        ("4x1", "cyclic"): None,  # the bench runs no 4x1 with every boundary across the hosts
+        ("2x2", "block"): "varuna 2x2 (replicas apart)",
+        ("1x4", "block"): "varuna 1x4",
+    }
+    # a pick the bench did not run is said, not compared
+    unmeasured = judge_point(SimpleNamespace(ranked=ranking.ranked[2:]), RESULTS, NETWORK)  # type: ignore[arg-type]
+    assert unmeasured["planner_vs_best"] is None and unmeasured["predicted_vs_measured"] is None
+    points = [
+        {"rate_mbit": None, **judge_point(SimpleNamespace(ranked=ranking.ranked[1:]), RESULTS, NETWORK)},  # type: ignore[arg-type]
+        {"rate_mbit": 20.0, **judged},
+    ]
+    summary = summarize(points)
+    assert summary["worst_pick_gap"] == pytest.approx(0.2)
+    assert summary["worst_prediction_error"] == pytest.approx(0.15)  # 0.23 / 0.2
+    assert summary["worst_prediction_error_any_shape"] == pytest.approx(0.15)
+    assert summary["pick_target_met"] is False and summary["prediction_target_met"] is False
+    assert summary["unmeasured_picks"] == []
+    with_unmeasured = summarize([*points, {"rate_mbit": 50.0, **unmeasured}])
+    assert with_unmeasured["unmeasured_picks"] == [50.0] and with_unmeasured["pick_target_met"] is False
+    report = {
+        "points": [{**p, "results": RESULTS} for p in points],
+        "planner": summary | {"options": {"micro_batch_size": 2, "schedule": "1f1b", "gpus": 4, "hosts": 2}},
+    }
+    lines = planner_lines(report)
+    assert lines[1].startswith("unshaped: picks 2x2 cyclic = varuna 2x2 (stages apart): predicted step")
+    assert "pick / best 1.00" in lines[1] and "pick / best 0.80" in lines[2]
+    assert lines[-1].startswith("worst pick gap 20.0% (target <= 5.0%: not met)")
+
+
+def test_the_network_profile_sends_about_half_a_second_of_the_rate() -> None:
+    assert network_probe_bytes(None) == 4 * 2**20
+    assert network_probe_bytes(20.0) == 1_250_000  # half a second at 20 Mbit/s
+    assert network_probe_bytes(10.0) == 2**20  # 625 kB would be half a second: at least 1 MiB
+    assert network_probe_bytes(2000.0) == 4 * 2**20
 
 
 def test_the_jobs_take_turns_at_each_rate_and_the_link_changes_only_between_rates(tmp_path: Path) -> None:
@@ -186,7 +323,16 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
         for point in report["points"]:
             seen = {(r["system"], r["shape"], r["placement"]) for r in point["results"]}
             assert seen == SYSTEMS
-            assert point["planner"] is None
+            # the planner's pick from the network profiled at this rate: 4 devices, the bench's options
+            pick = point["planner"]
+            P, D = pick["shape"]
+            assert P * D == 4 and pick["placement"] in ("block", "cyclic")
+            assert pick["predicted_step_s"] > 0 and math.isfinite(pick["predicted_step_s"])
+            assert pick["micro_batch_size"] == bench.micro_batch_size and pick["schedule"] == bench.schedule
+            assert pick["network"]["gpus_per_host"] == 2 and pick["network"]["inter_host_mbit"] > 0
+            assert len(pick["predictions"]) == 5  # 1x4, 2x2 and 4x1 in both placements (1x4 in one)
+            if point["planner_vs_best"] is not None:
+                assert 0 < point["planner_vs_best"] <= 1 and point["predicted_vs_measured"] > 0
             for r in point["results"]:
                 assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"])
                 assert r["samples_per_s"] == pytest.approx(report["global_batch"] / r["step_s"], rel=1e-3)
@@ -214,8 +360,21 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
 
         assert rate(shaped, "varuna") < rate(unshaped, "varuna")
         assert rate(shaped, "ddp") < rate(unshaped, "ddp")
-        # every system trains the same model on the same batches: the same losses
+        # the shaped link as the planner's profile measured it (one direction's rate, within 15%)
+        assert report["points"][-1]["planner"]["network"]["inter_host_mbit"] == pytest.approx(
+            bench.rates[-1], rel=0.15
+        )
+        summary = report["planner"]
+        assert summary["points"] == len(bench.rates) and summary["targets"] == {
+            "pick_within": 0.05,
+            "prediction_within": 0.1,
+        }
+        assert summary["profile"]["segments"] >= 4 and summary["profile"]["compute_slowdown"]["1"] == 1.0
+        assert sorted(summary["planned_cuts"]) == ["2", "4"]
+        # every system trains the same model on the same batches: the same losses, step by step
+        # within a job (torch.pipelining's 2x2 beside Varuna's: its gradients all-reduced right)
         assert report["first_loss_spread"] < 1e-4
+        assert report["loss_spread"] < 1e-4
         assert report["crossover_mbit"] in (None, *bench.rates)
         assert Path(report["plot"]).is_file() and Path(report["plot"]).stat().st_size > 0
     finally:

@@ -368,3 +368,36 @@ def test_the_plan_across_hosts_follows_the_bandwidth_between_them() -> None:
 
     assert best(100e9) == (1, 4, "block")
     assert best(1e6) == (2, 2, "cyclic")
+
+
+def test_hosts_sharing_one_machines_cores_slow_every_replica() -> None:
+    """Namespace hosts of one machine (`Cluster.shared_cores`): the busy stages of every replica
+    share the cores, not only those of the replicas one host holds, so 1 x 4 on two hosts of two
+    computes as slowly as on one host of four."""
+    seg = SegmentCost(
+        forward_s={1: 0.01},
+        backward_s={1: 0.02},
+        activation_bytes={1: 2**10},
+        activation_memory_bytes={1: 2**10},
+        param_bytes=4,
+        grad_bytes=4,
+        optimizer_bytes=8,
+    )
+    net = NetworkCost(p2p_latency_s=1e-6, p2p_bandwidth_Bps=1e10, allreduce={2: [(0, 1e-6)], 4: [(0, 1e-6)]})
+    table = CostTable(
+        model_signature="synthetic",
+        segments=[seg] * 4,
+        network=net,
+        micro_batch_sizes=[1],
+        compute_slowdown={1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0},
+    )
+    assert Cluster(gpus_per_host=2).replicas_sharing_cores(1, 4) == 2
+    assert Cluster(gpus_per_host=2, shared_cores=True).replicas_sharing_cores(1, 4) == 4
+
+    def step(cluster: Cluster | None) -> float:
+        result = plan(table, gpus=4, memory_bytes="1GiB", global_batch_size=8, pipelines=[1], cluster=cluster)
+        return result.ranked[0].predicted_step_s
+
+    apart = step(Cluster(gpus_per_host=2, inter_bandwidth_Bps=1e10, inter_latency_s=1e-6))
+    shared = step(Cluster(gpus_per_host=2, inter_bandwidth_Bps=1e10, inter_latency_s=1e-6, shared_cores=True))
+    assert shared == pytest.approx(step(None), rel=0.05) and shared > 1.5 * apart

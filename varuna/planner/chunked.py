@@ -88,7 +88,7 @@ def chunked_candidate(
         final_allreduce_s=links.step_allreduce(STEP_ALLREDUCE_BYTES),
         update_s=update,
         sharing=Sharing(
-            replicas=data if cluster is None else min(data, max(1, cluster.gpus_per_host // pipeline)),
+            replicas=data if cluster is None else cluster.replicas_sharing_cores(pipeline, data),
             slowdown=table.compute_slowdown,
             delivery=net.delivery_s,
             message_cpu_s=[

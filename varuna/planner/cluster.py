@@ -16,7 +16,8 @@ rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks ea
   them in each group, g/k rings share `inter_bandwidth_Bps`, so a ring gets k/g of it (capped by
   the intra-host bandwidth).
 - Shared cores (a CPU profile's `compute_slowdown`): only the replicas on one host share its cores
-  (G / P of them, at most D), not all D.
+  (G / P of them, at most D), not all D; all D where the hosts are namespaces of one machine
+  (`Cluster.shared_cores`).
 
 The cluster comes from `varuna plan`'s flags, else from the profile's network section
 (`NetworkCost.gpus_per_host`, `inter_host_latency_s`, `inter_host_bandwidth_Bps`: add them to
@@ -66,6 +67,10 @@ class Cluster:
     host, dealt in turn): a replica's neighbouring stages sit on different hosts and, with H
     dividing P, each stage's replicas share a host, so activations cross the network and
     all-reduces do not. `varuna.planner.search.plan` tries both where the GPUs span hosts."""
+    shared_cores: bool = False
+    """Whether the hosts share one machine's cores (namespace hosts on one machine, as the tests and
+    the network bench make them): then the busy stages of every replica slow each other down (a CPU
+    profile's `compute_slowdown`), as on one host, not only those of the replicas a host holds."""
 
     def __post_init__(self) -> None:
         if not is_int(self.gpus_per_host) or self.gpus_per_host < 1:
@@ -111,6 +116,11 @@ class Cluster:
         if net.inter_host_latency_s:
             chosen.setdefault("inter_latency_s", net.inter_host_latency_s)
         return cls(gpus_per_host=gpus_per_host, **chosen)  # type: ignore[arg-type]
+
+    def replicas_sharing_cores(self, pipeline: int, data: int) -> int:
+        """Replicas of a P x D shape whose busy stages share cores (`Sharing.replicas`): those one
+        host holds (G / P of them, at least 1, at most D), or all D with `shared_cores`."""
+        return data if self.shared_cores else min(data, max(1, self.gpus_per_host // pipeline))
 
     def hosts(self, gpus: int) -> int:
         """Hosts that `gpus` ranks fill."""

@@ -362,7 +362,7 @@ class _Shape:
         self.final = links.step_allreduce(STEP_ALLREDUCE_BYTES)
         self.sharing = (
             Sharing(  # ranks share the cores of their own host only: its replicas, at most D
-                replicas=data if cluster is None else min(data, max(1, cluster.gpus_per_host // pipeline)),
+                replicas=data if cluster is None else cluster.replicas_sharing_cores(pipeline, data),
                 slowdown=table.compute_slowdown,
                 delivery=net.delivery_s,
                 message_cpu_s=[net.message_cpu_time(segs[r[-1]].activation_bytes[mbs]) for r in stages[:-1]],

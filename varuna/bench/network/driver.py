@@ -19,25 +19,40 @@ batches, AdamW, fixed global batch, the same micro-batches):
     varuna 4x1         one pipeline, stages 0-1 on h2 and 2-3 on h3: one boundary crosses
     ddp 1x4            torch's DistributedDataParallel (gloo, bucketed, overlapped), gradients
                        accumulated under no_sync() over the same micro-batches
-    torch.pipelining   4x1, its 1F1B, cut where Varuna's 4x1 engine cut the model
+    torch.pipelining   4x1, its schedule, cut where Varuna's 4x1 engine cut the model
+    torch.pipelining   2x2 stages-across-hosts (as Varuna's 2x2 beside it), its schedule per
+                       replica, each stage's gradients all-reduced with the other replica's after
+                       the schedule's step (`varuna.bench.pipeline.torch_baseline`)
 
 Rank r is stage r % P of replica r // P, and hydra fills a hostfile's slots in order: `h2:2 h3:2`
-puts ranks 0-1 on h2 and 2-3 on h3 (one job runs every system but one there), `h2:1 h3:1` alternates
-the hosts (a second job runs the stages-across-hosts 2x2). Each rank reports its host name and the
-report checks both placements (`placements_verified`). A job keeps its processes for every rate,
-so its engines are built once while the link is unshaped, and the two jobs live side by side: at
-each rate the bench shapes the link and lets them measure one after the other
-(`varuna.bench.network.rates`), so that the two 2x2 placements are measured seconds apart, not a
-whole job apart (a shared host's speed drifts over minutes). Within a job the systems
-alternate step by step. While one job measures, the other's ranks only poll a file. A step is
-timed from a barrier to the end of the optimizer step, the slowest rank's; step_s is the median of
-the timed steps after the warm-up, samples/s the global batch over it. Before the steps of each rate
-rank 0 sends a probe to a rank on the other host and back (`link_mbit_seen`: the rate gloo gets, the
-check that the shaping holds, and what "unshaped" is on this machine).
+puts ranks 0-1 on h2 and 2-3 on h3 (the "block" placement in the planner's terms: the first job
+runs Varuna 1x4, 2x2, 4x1, DDP and torch.pipelining 4x1 there), `h2:1 h3:1` alternates the hosts
+("cyclic": a second job runs the stages-across-hosts 2x2 of Varuna and torch.pipelining). Each rank
+reports its host name and the report checks both placements (`placements_verified`).
+
+The planner decides at every rate with the network it measures there (`varuna.bench.network.planner`):
+before the jobs, one compute profile of the model (a job of 4 ranks on h2, `run_profile`); at each
+rate, before the systems' steps, the block job's ranks profile the network between and within the
+hosts (`profile_network`, as `varuna profile` does across hosts). The planner's pick (shape,
+placement) with its predicted step goes into each point beside the measured results, with the
+micro-batch size and schedule fixed to the bench's; Varuna's engines run the planner's cut
+(`partition="planner"`), so each measured Varuna shape is a configuration the planner prices.
+
+A job keeps its processes for every rate, so its engines are built once while the link is
+unshaped, and the two jobs live side by side: at each rate the bench shapes the link and lets them
+measure one after the other (`varuna.bench.network.rates`), so that the two 2x2 placements are
+measured seconds apart, not a whole job apart (a shared host's speed drifts over minutes). Within
+a job the systems alternate step by step. While one job measures, the other's ranks only poll a
+file. A step is timed from a barrier to the end of the optimizer step, the slowest rank's; step_s
+is the median of the timed steps after the warm-up, samples/s the global batch over it. Before the
+steps of each rate rank 0 sends a probe to a rank on the other host and back (`link_mbit_seen`: the
+rate gloo gets, the check that the shaping holds, and what "unshaped" is on this machine).
 
 `crossover_mbit` is the highest shaped rate at which Varuna's best pipelined shape (2x2 either
 placement, or 4x1) beats both Varuna 1x4 and DDP (null if it beats them at none); `crossover` says
-more (which shape, and whether it already wins unshaped). Each point's `planner` stays null here.
+more (which shape, and whether it already wins unshaped). The report's `planner` sums up the
+planner's picks against the issue's targets (pick within 5% of the best measured Varuna shape,
+predicted step within 10% of the measured one).
 """
 
 from __future__ import annotations
@@ -49,10 +64,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from varuna.bench import log, print_report, require_positive
 from varuna.bench.common import run_job
+from varuna.bench.network.planner import PLACEMENTS, judge_point, plan_point, planned_cuts, summarize
 from varuna.bench.network.plot import write_plot
 from varuna.bench.network.rates import LinkSchedule
 from varuna.bench.network.report import (
@@ -67,6 +83,7 @@ from varuna.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
     from varuna.bench.netns import NetnsHosts
+    from varuna.planner.costs import CostTable
 
 __all__ = ["NetworkBench", "Job", "JOBS", "full", "quick", "run", "main"]
 
@@ -87,22 +104,36 @@ class Job:
     """The hostfile: hydra fills the slots in order, cycling, until every rank has one."""
     varuna_shapes: tuple[tuple[int, int], ...]
     """Varuna's P x D to build in this job."""
-    baselines: tuple[str, ...] = ()
-    """"ddp" (1x4) and "torch.pipelining" (4x1, beside Varuna's 4x1, where it takes its cut)."""
+    baselines: tuple[tuple[str, int, int], ...] = ()
+    """Other systems with their P and D: ("ddp", 1, 4), ("torch.pipelining", P, D) (cut where this
+    job's Varuna engine of the same P cut the model)."""
     placement: str | None = None
     """What the 2x2 of this job is: "replicas-across-hosts" or "stages-across-hosts"."""
+    ranks: Literal["block", "cyclic"] = "block"
+    """How the hostfile puts ranks on hosts in the planner's terms (`Cluster.placement`): "block"
+    (in rank order, two per host) or "cyclic" (dealt to the hosts in turn)."""
+    profiles_network: bool = False
+    """Whether this job's ranks profile the network at each rate for the planner (the profile
+    needs ranks 0 and 1 on one host and the same number of ranks on every host)."""
 
 
 JOBS = {
     "blocks": Job(
         {"h2": 2, "h3": 2},
         ((1, 4), (2, 2), (4, 1)),
-        ("ddp", "torch.pipelining"),
+        (("ddp", 1, 4), ("torch.pipelining", 4, 1)),
         "replicas-across-hosts",
+        "block",
+        profiles_network=True,
     ),
-    "alternate": Job({"h2": 1, "h3": 1}, ((2, 2),), (), "stages-across-hosts"),
+    "alternate": Job(
+        {"h2": 1, "h3": 1}, ((2, 2),), (("torch.pipelining", 2, 2),), "stages-across-hosts", "cyclic"
+    ),
 }
 """The bench's two jobs: ranks 0-1 on h2 and 2-3 on h3, then the hosts alternating rank by rank."""
+PROFILE_SLOTS = {"h2": RANKS}
+"""Where the compute profile runs: every rank on one host, so that the profile sees them share
+the machine's cores as they do in the jobs (the namespace hosts are one machine)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,8 +150,12 @@ class NetworkBench:
     """Link rates in Mbit/s, in the order measured; None: unshaped."""
     schedule: str = "1f1b"
     """The pipelined shapes' schedule, Varuna's and torch.pipelining's alike."""
-    partition: str = "fastest"
-    """Varuna's partition of the pipelined shapes (torch.pipelining takes its 4x1 cut)."""
+    partition: str = "planner"
+    """Varuna's partition of the pipelined shapes: "planner" (the planner's cut from the bench's
+    compute profile, `varuna.bench.network.planner.planned_cuts`), or the engine's "balanced",
+    "fastest" or "uniform" (torch.pipelining takes the cut of Varuna's engine of the same P)."""
+    profile_repeats: int = 3
+    """Timed passes per micro-batch of the compute profile (`run_profile`'s `repeats`)."""
     warmup: int = 1
     """Untimed steps per system at each rate (the first after a rate change)."""
     steps: int = 3
@@ -132,7 +167,7 @@ class NetworkBench:
     bench (every rate of every job)."""
 
     def __post_init__(self) -> None:
-        require_positive(self, "global_batch_size", "micro_batch_size", "steps")
+        require_positive(self, "global_batch_size", "micro_batch_size", "steps", "profile_repeats")
         if self.warmup < 0:
             raise ConfigError(f"NetworkBench.warmup must be >= 0 (got {self.warmup})")
         if self.global_batch_size % (RANKS * self.micro_batch_size):
@@ -147,9 +182,9 @@ class NetworkBench:
                 f"NetworkBench.schedule {self.schedule!r} is not one of {TORCH_SCHEDULES}: Varuna's pipelined "
                 "shapes and torch.pipelining run the same schedule"
             )
-        if self.partition not in ("balanced", "fastest", "uniform"):
+        if self.partition not in PARTITIONS:
             raise ConfigError(
-                f"NetworkBench.partition {self.partition!r}: use 'balanced', 'fastest' or 'uniform'"
+                f"NetworkBench.partition {self.partition!r}: use one of {', '.join(map(repr, PARTITIONS))}"
             )
         for name in self.jobs:
             if name not in JOBS:
@@ -159,6 +194,8 @@ class NetworkBench:
             raise ConfigError(f"the 4x1 shape needs at least 4 pieces to cut; the model has {n_layer}")
 
 
+PARTITIONS = ("planner", "balanced", "fastest", "uniform")
+"""`NetworkBench.partition`'s choices."""
 UNTIED = {"tie_embeddings": False, "cut_inside_blocks": True}
 
 
@@ -178,7 +215,7 @@ def full() -> NetworkBench:
 
 def quick() -> NetworkBench:
     """A tiny GPT (vocab 2048, seq 16, d_model 64, 2 blocks), batch 16 in micro-batches of 2;
-    unshaped and 20 Mbit/s, 1 + 2 steps."""
+    unshaped and 20 Mbit/s, 1 + 2 steps, a profile of 2 timed passes."""
     model = {"vocab_size": 2048, "seq_len": 16, "d_model": 64, "n_layer": 2, "n_head": 2} | UNTIED
     return NetworkBench(
         model=model,
@@ -186,6 +223,7 @@ def quick() -> NetworkBench:
         micro_batch_size=2,
         rates=(None, 20.0),
         steps=2,
+        profile_repeats=2,
         job_timeout_s=150.0,
     )
 
@@ -194,12 +232,10 @@ def quick() -> NetworkBench:
 
 
 def _systems(job: Job) -> list[dict[str, Any]]:
-    """The job's systems in the order the worker builds them (Varuna's 4x1 before torch's)."""
+    """The job's systems in the order the worker builds them (Varuna's shapes before the others:
+    torch.pipelining takes the cut of Varuna's engine of its P)."""
     systems = [{"system": "varuna", "pipeline": P, "data": D} for P, D in job.varuna_shapes]
-    if "ddp" in job.baselines:
-        systems.append({"system": "ddp", "pipeline": 1, "data": RANKS})
-    if "torch.pipelining" in job.baselines:
-        systems.append({"system": "torch.pipelining", "pipeline": RANKS, "data": 1})
+    systems += [{"system": name, "pipeline": P, "data": D} for name, P, D in job.baselines]
     return systems
 
 
@@ -219,28 +255,12 @@ class _Running:
         return self.folder / "rates"
 
 
-def _prepare(bench: NetworkBench, hosts: NetnsHosts, out: Path, name: str) -> _Running:
-    """Write one job's spec and hostfile; its `varuna run` command, run on h1."""
-    job = JOBS[name]
-    folder = out / f"job-{name}"
-    (folder / "rates").mkdir(parents=True, exist_ok=True)
-    spec = {
-        "model": bench.model,
-        "global_batch_size": bench.global_batch_size,
-        "micro_batch_size": bench.micro_batch_size,
-        "schedule": bench.schedule,
-        "partition": bench.partition,
-        "systems": _systems(job),
-        "rates": len(bench.rates),
-        "warmup": bench.warmup,
-        "steps": bench.steps,
-        "control": str(folder / "rates"),
-        "rate_wait_s": bench.job_timeout_s,  # the other jobs' turns: the job's own timeout bounds it
-        "out": str(folder / "result.json"),
-        "hang_s": bench.job_timeout_s,
-    }
+def _command(
+    bench: NetworkBench, hosts: NetnsHosts, folder: Path, slots: dict[str, int], spec: dict[str, Any]
+) -> list[str]:
+    """Write a job's spec and hostfile into `folder`; its `varuna run` command, run on h1."""
     (folder / "spec.json").write_text(json.dumps(spec, indent=1))
-    hostfile = hosts.hostfile(folder / "hostfile", job.slots)
+    hostfile = hosts.hostfile(folder / "hostfile", slots)
     env = [
         "env",
         f"VARUNA_MPIEXEC_ARGS={hosts.mpiexec_args}",
@@ -249,8 +269,92 @@ def _prepare(bench: NetworkBench, hosts: NetnsHosts, out: Path, name: str) -> _R
     cmd = [*env, sys.executable, "-m", "varuna", "run", "--hostfile", str(hostfile)]
     cmd += ["--pipeline", "1", "--data", str(RANKS), "--run-dir", str(folder / "run")]
     cmd += ["--timeout", f"{bench.job_timeout_s:g}", "-m", _WORKER, str(folder / "spec.json")]
-    title = f"{name} ({', '.join(f'{h}:{n}' for h, n in job.slots.items())})"
-    return _Running(name, folder, hosts.command("h1", cmd), title)
+    return hosts.command("h1", cmd)
+
+
+def _title(name: str, slots: dict[str, int]) -> str:
+    return f"{name} ({', '.join(f'{h}:{n}' for h, n in slots.items())})"
+
+
+def _prepare(
+    bench: NetworkBench, hosts: NetnsHosts, out: Path, name: str, cuts: dict[int, list[int]]
+) -> _Running:
+    """One job's folder, spec, hostfile and command; `cuts`: the planner's cut per P, which
+    Varuna's engines take with `partition="planner"`."""
+    job = JOBS[name]
+    folder = out / f"job-{name}"
+    (folder / "rates").mkdir(parents=True, exist_ok=True)
+    partition: str | dict[str, list[int]] = bench.partition
+    if bench.partition == "planner":
+        partition = {str(P): cut for P, cut in cuts.items()}
+    spec = {
+        "mode": "measure",
+        "model": bench.model,
+        "global_batch_size": bench.global_batch_size,
+        "micro_batch_size": bench.micro_batch_size,
+        "schedule": bench.schedule,
+        "partition": partition,
+        "systems": _systems(job),
+        "profile_network": job.profiles_network,
+        "rates": len(bench.rates),
+        "warmup": bench.warmup,
+        "steps": bench.steps,
+        "control": str(folder / "rates"),
+        "rate_wait_s": bench.job_timeout_s,  # the other jobs' turns: the job's own timeout bounds it
+        "out": str(folder / "result.json"),
+        "hang_s": bench.job_timeout_s,
+    }
+    cmd = _command(bench, hosts, folder, job.slots, spec)
+    return _Running(name, folder, cmd, _title(name, job.slots))
+
+
+def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTable, dict[str, Any]]:
+    """The compute profile of the bench's model, once: a job of every rank on one host
+    (`PROFILE_SLOTS`) runs `run_profile` at the bench's micro-batch size; the table and what to
+    report of it."""
+    from varuna.planner.costs import CostTable
+
+    folder = out / "job-profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "mode": "profile",
+        "model": bench.model,
+        "global_batch_size": bench.global_batch_size,
+        "micro_batch_size": bench.micro_batch_size,
+        "repeats": bench.profile_repeats,
+        "warmup": 0,
+        "steps": 1,
+        "run_dir": str(folder),
+        "out": str(folder / "result.json"),
+        "hang_s": bench.job_timeout_s,
+    }
+    title = _title("profile", PROFILE_SLOTS)
+    log(f"job {title}: starting")
+    t0 = time.perf_counter()
+    cmd = _command(bench, hosts, folder, PROFILE_SLOTS, spec)
+    run_job(title, cmd, bench.job_timeout_s + 30, folder / "job.log")
+    path = folder / "profile.json"
+    if not path.exists():
+        raise LaunchError(f"job {title} exited 0 but wrote no profile ({path}); see {folder / 'job.log'}")
+    table = CostTable.load(path)
+    info = {
+        "path": str(path),
+        "ranks_on": list(PROFILE_SLOTS),
+        "micro_batch_size": bench.micro_batch_size,
+        "repeats": bench.profile_repeats,
+        "segments": table.num_segments,
+        "microbatch_compute_s": round(
+            sum(
+                s.forward_s[bench.micro_batch_size] + s.backward_s[bench.micro_batch_size]
+                for s in table.segments
+            ),
+            6,
+        ),
+        "compute_slowdown": {str(n): round(f, 3) for n, f in sorted(table.compute_slowdown.items())},
+        "action_overhead_s": round(table.action_overhead_s, 6),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    return table, info
 
 
 def _start(bench: NetworkBench, job: _Running) -> None:
@@ -267,7 +371,9 @@ def _start(bench: NetworkBench, job: _Running) -> None:
     job.thread.start()
 
 
-def _run_jobs(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> dict[str, dict[str, Any]]:
+def _run_jobs(
+    bench: NetworkBench, hosts: NetnsHosts, out: Path, cuts: dict[int, list[int]]
+) -> dict[str, dict[str, Any]]:
     """Start the jobs one after another (each builds its systems while the others wait, so that no
     start-up profile is disturbed), then serve every rate to every job in turn; the workers' reports."""
 
@@ -276,7 +382,7 @@ def _run_jobs(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> dict[str, di
             hosts.shape(host, rate)
         log(f"link of {' and '.join(WORKERS)} {'unshaped' if rate is None else f'at {rate:g} Mbit/s'}")
 
-    jobs = [_prepare(bench, hosts, out, name) for name in bench.jobs]
+    jobs = [_prepare(bench, hosts, out, name, cuts) for name in bench.jobs]
     by_control = {job.control: job for job in jobs}
 
     def alive(control: Path) -> bool:
@@ -316,9 +422,13 @@ def _run_jobs(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> dict[str, di
 # ---------------------------------------------------------------------------------------- report
 
 
-def _assemble(bench: NetworkBench, jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The report's points (one per rate, every system of every job), the placements' check and
-    the losses' agreement."""
+def _assemble(
+    bench: NetworkBench, jobs: dict[str, dict[str, Any]], table: CostTable | None
+) -> dict[str, Any]:
+    """The report's points (one per rate, every system of every job, the planner's pick where a
+    job profiled the network), the placements' check and the losses' agreement."""
+    from varuna.planner.network import NetworkCost
+
     points = []
     for i, rate in enumerate(bench.rates):
         results = []
@@ -332,6 +442,7 @@ def _assemble(bench: NetworkBench, jobs: dict[str, dict[str, Any]]) -> dict[str,
                         "system": system["system"],
                         "shape": f"{P}x{D}",
                         "placement": job.placement if P > 1 and D > 1 else None,
+                        "planner_placement": job.ranks,
                         "samples_per_s": round(bench.global_batch_size / measured["step_s"], 3),
                         "step_s": round(measured["step_s"], 5),
                         "timed_step_s": measured["timed_step_s"],
@@ -340,7 +451,22 @@ def _assemble(bench: NetworkBench, jobs: dict[str, dict[str, Any]]) -> dict[str,
                     }
                 )
         probed = {name: round(report["points"][i]["link_mbit"], 1) for name, report in jobs.items()}
-        points.append({"rate_mbit": rate, "link_mbit_seen": probed, "results": results, "planner": None})
+        point: dict[str, Any] = {"rate_mbit": rate, "link_mbit_seen": probed, "results": results}
+        point |= {"planner": None, "planner_vs_best": None, "predicted_vs_measured": None}
+        profiled = [r["points"][i] for n, r in jobs.items() if JOBS[n].profiles_network]
+        if table is not None and profiled:
+            network = NetworkCost.from_json(profiled[0]["network"])
+            ranking = plan_point(
+                table,
+                network,
+                gpus=RANKS,
+                global_batch_size=bench.global_batch_size,
+                micro_batch_size=bench.micro_batch_size,
+                schedule=bench.schedule,
+            )
+            point |= judge_point(ranking, results, network)
+            point["planner"]["network"]["profile_s"] = round(profiled[0]["network_profile_s"], 1)
+        points.append(point)
     placements = {}
     for name, report in jobs.items():
         job = JOBS[name]
@@ -396,11 +522,35 @@ def run(bench: NetworkBench, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     hosts = NetnsHosts(3, workdir=out).up()
     try:
-        jobs = _run_jobs(bench, hosts, out)
+        table, profile = _profile(bench, hosts, out)
+        cuts = planned_cuts(
+            table,
+            gpus=RANKS,
+            global_batch_size=bench.global_batch_size,
+            micro_batch_size=bench.micro_batch_size,
+            schedule=bench.schedule,
+        )
+        jobs = _run_jobs(bench, hosts, out, cuts)
     finally:
         hosts.down()
+    assembled = _assemble(bench, jobs, table)
     report: dict[str, Any] = {
-        **_assemble(bench, jobs),
+        **assembled,
+        "planner": summarize(assembled["points"])
+        | {
+            "profile": profile,
+            "planned_cuts": {str(P): cut for P, cut in cuts.items()},
+            "partition": bench.partition,
+            "options": {
+                "gpus": RANKS,
+                "hosts": len(WORKERS),
+                "micro_batch_size": bench.micro_batch_size,
+                "schedule": bench.schedule,
+                "recompute": False,
+                "placements": list(PLACEMENTS),
+                "shared_cores": True,
+            },
+        },
         "model": _model_info(bench),
         "global_batch": bench.global_batch_size,
         "micro_batch": bench.micro_batch_size,

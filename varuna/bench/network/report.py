@@ -1,11 +1,20 @@
-"""The network benchmark's report: where the ranks ran, the crossover, the table
-(`varuna.bench.network.driver` runs the jobs, `varuna.bench.network.plot` draws the figure)."""
+"""The network benchmark's report: where the ranks ran, the crossover, the table with the planner's
+picks (`varuna.bench.network.driver` runs the jobs, `varuna.bench.network.planner` judges the
+picks, `varuna.bench.network.plot` draws the figure)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["system_key", "expected_hosts", "placement_of", "label", "crossover", "format_table"]
+__all__ = [
+    "system_key",
+    "expected_hosts",
+    "placement_of",
+    "label",
+    "crossover",
+    "planner_lines",
+    "format_table",
+]
 
 SHORT = {"replicas-across-hosts": "replicas apart", "stages-across-hosts": "stages apart"}
 
@@ -105,8 +114,58 @@ def crossover(points: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def planner_lines(report: dict[str, Any]) -> list[str]:
+    """Per rate the planner's pick beside the measured best Varuna result, then the worst gap and
+    error against the targets; nothing when no point has a pick."""
+    summary = report.get("planner")
+    if not summary or not summary.get("points"):
+        return []
+    opts = summary["options"]
+    lines = [
+        f"planner, on the network profiled at each rate (micro-batch {opts['micro_batch_size']}, "
+        f"{opts['schedule']}, {opts['gpus']} devices on {opts['hosts']} hosts sharing the cores):"
+    ]
+    for point in report["points"]:
+        pick = point["planner"]
+        if pick is None:
+            lines.append(f"{_rate(point['rate_mbit'])}: no network profile")
+            continue
+        P, D = pick["shape"]
+        line = f"{_rate(point['rate_mbit'])}: picks {P}x{D} {pick['placement']}"
+        predicted, measured = pick["predicted_step_s"], pick["predictions"][0]["measured_step_s"]
+        if point["planner_vs_best"] is None or measured is None:
+            lines.append(f"{line} (not measured), predicted step {predicted:.4f} s")
+            continue
+        varuna = [r for r in point["results"] if r["system"] == "varuna"]
+        best = max(varuna, key=lambda r: r["samples_per_s"])
+        lines.append(
+            f"{line} = {pick['measured_as']}: predicted step {predicted:.4f} s, measured {measured:.4f} s "
+            f"({point['predicted_vs_measured']:.2f}); best measured {label(best)}, pick / best "
+            f"{point['planner_vs_best']:.2f}"
+        )
+    targets = summary["targets"]
+    lines.append(
+        f"worst pick gap {_pct(summary['worst_pick_gap'])} (target <= {_pct(targets['pick_within'])}: "
+        f"{_met(summary['pick_target_met'])}); worst prediction error {_pct(summary['worst_prediction_error'])} "
+        f"(target <= {_pct(targets['prediction_within'])}: {_met(summary['prediction_target_met'])}); of any "
+        f"measured shape {_pct(summary['worst_prediction_error_any_shape'])}"
+    )
+    if summary["unmeasured_picks"]:
+        lines.append(f"picks not measured at {', '.join(_rate(r) for r in summary['unmeasured_picks'])}")
+    return lines
+
+
 def format_table(report: dict[str, Any]) -> str:
-    """Samples/s per rate (rows) and system, shape and placement (columns), then the crossover."""
+    """Samples/s per rate (rows) and system, shape and placement (columns), then the crossover and
+    the planner's picks."""
     m = report["model"]
     cfg = m["config"]
     names: list[str] = []
@@ -142,6 +201,9 @@ def format_table(report: dict[str, Any]) -> str:
         + ("none (data parallelism wins at every shaped rate)" if x is None else f"{x:g} Mbit/s")
         + ("; pipelining already wins unshaped" if report["crossover"]["pipelined_wins_unshaped"] else "")
     )
+    planned = planner_lines(report)
+    if planned:
+        lines += ["", *planned, ""]
     for name, p in report["placements_verified"].items():
         lines.append(
             f"placement {name}: ranks on {p['rank_hosts']} ({'verified' if p['verified'] else 'NOT as expected'})"

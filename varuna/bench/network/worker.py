@@ -2,14 +2,18 @@
 
     varuna run --pipeline 1 --data 4 --hostfile H -m varuna.bench.network.worker SPEC.json
 
-SPEC.json (written by `varuna.bench.network.driver`) gives the model, the batch shape, the systems
-to build (each Varuna shape P x D, DDP, torch.pipelining), the number of link rates, the step counts,
-the folder of the rate handshake (`varuna.bench.network.rates`) and the output file. Every system is
-built once, while the link is unshaped (so start-up traffic is not measured); then for each rate
-the job waits for its turn at that rate (the parent shapes the link and lets the bench's jobs measure
-one after another), and every system runs `warmup` + `steps` steps on the same global batches, the
-systems alternating step by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a barrier that lines the ranks up to the end of the
-optimizer step; its time is the slowest rank's.
+SPEC.json (written by `varuna.bench.network.driver`) says the job's mode. "profile": the compute
+profile of the model for the planner (`run_profile` at the bench's micro-batch size; rank 0 writes
+RUN_DIR/profile.json). "measure": the model, the batch shape, the systems to build (each Varuna
+shape P x D with its cut, DDP, torch.pipelining at P x D), whether to profile the network at each
+rate, the number of link rates, the step counts, the folder of the rate handshake
+(`varuna.bench.network.rates`) and the output file. Every system is built once, while the link is
+unshaped (so start-up traffic is not measured); then for each rate the job waits for its turn at
+that rate (the parent shapes the link and lets the bench's jobs measure one after another), probes
+the link, profiles the network if asked (`profile_network`: what the planner decides with), and
+every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
+by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a
+barrier that lines the ranks up to the end of the optimizer step; its time is the slowest rank's.
 
 Every system trains the same GPT (same seed, so the same initial weights) on the same batches with
 AdamW, and every system has run the same steps at each point: their losses agree step by step.
@@ -47,6 +51,9 @@ class _VarunaRunner:
     def __init__(self, spec: dict[str, Any], P: int, D: int, example: dict[str, Tensor]) -> None:
         from varuna import Varuna
 
+        partition = spec["partition"]  # a name, or the planner's cut per P
+        if isinstance(partition, dict) and P > 1:
+            partition = partition[str(P)]
         self.engine = Varuna(
             build_model(spec["model"]),
             pipeline=P,
@@ -55,7 +62,7 @@ class _VarunaRunner:
             micro_batch_size=spec["micro_batch_size"],
             schedule=spec["schedule"],
             example_batch=example,
-            partition=spec["partition"] if P > 1 else "uniform",
+            partition=partition if P > 1 else "uniform",
         )
         self.engine.set_optimizer(torch.optim.AdamW(self.engine.parameters(), lr=LR))
         self.share = spec["global_batch_size"] // D
@@ -66,8 +73,8 @@ class _VarunaRunner:
 
 
 def build(spec: dict[str, Any], example: dict[str, Tensor]) -> dict[str, Runner]:
-    """Every system of the spec, in order; torch.pipelining is cut where Varuna's engine of the same
-    P cut the model (the spec's driver puts that engine first)."""
+    """Every system of the spec, in order; torch.pipelining (at its P x D) is cut where Varuna's
+    engine of the same P cut the model (the spec's driver puts that engine first)."""
     import torch.distributed as dist
 
     runners: dict[str, Runner] = {}
@@ -80,10 +87,10 @@ def build(spec: dict[str, Any], example: dict[str, Tensor]) -> dict[str, Runner]
             runners[key] = runner
         elif system["system"] == "ddp":
             runners[key] = DDPRunner(spec)
-        else:  # torch.pipelining, one pipeline over every rank (D = 1)
+        else:  # torch.pipelining: D replicas of a P-stage pipeline
             cut = {spec["schedule"]: boundaries[P]}
             runners[key] = TorchRunner(
-                spec | {"pipeline": P, "boundaries_by_schedule": cut}, spec["schedule"]
+                spec | {"pipeline": P, "data": D, "boundaries_by_schedule": cut}, spec["schedule"]
             )
         if dist.get_rank() == 0:
             where = f", boundaries {boundaries[P]}" if P > 1 and system["system"] == "varuna" else ""
@@ -135,18 +142,49 @@ def probe_link(hosts: list[str], rate: float | None) -> float:
     return size * 8 / seconds / 1e6
 
 
+def network_probe_bytes(rate: float | None) -> int:
+    """The point-to-point message of the network profile at `rate` Mbit/s: about half a second's
+    worth, between 1 and 4 MiB (4 MiB unshaped, `profile_network`'s default)."""
+    return 4 * 2**20 if rate is None else int(min(max(rate * 1e6 / 8 / 2, 2**20), 4 * 2**20))
+
+
 def _global_loss(kind: str, per_rank: list[float | None]) -> float:
-    """The step's global mean loss from every rank's return: DDP's ranks each return their replica's
-    mean (equal shares: their mean is the global one), the others the global mean where they hold it."""
+    """The step's global mean loss from every rank's return: DDP's ranks and the last stage of each
+    torch.pipelining replica return their replica's mean (equal shares: their mean is the global
+    one), Varuna's ranks the global mean where they hold it."""
     held = [x for x in per_rank if x is not None]
-    return statistics.fmean(held) if kind == "ddp" else held[0]
+    return statistics.fmean(held) if kind in ("ddp", "torch.pipelining") else held[0]
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build every system, then measure them all at each rate the parent sets; rank 0's report."""
+def profile(spec: dict[str, Any]) -> None:
+    """The compute profile for the planner, on every rank: `run_profile` of the bench's model at
+    its micro-batch size (with the network, the slowdown of ranks sharing cores and the runtime's
+    cost per action); rank 0 writes ``spec["run_dir"]/profile.json``."""
+    from varuna import Varuna
+    from varuna.profile.measure import run_profile
+
+    run_profile(
+        build_model(spec["model"]),
+        global_batches(spec)[0],
+        micro_batch_sizes=[spec["micro_batch_size"]],
+        repeats=spec["repeats"],
+        run_dir=spec["run_dir"],
+        progress=False,
+        engine=Varuna,
+    )
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The spec's mode: "profile" (`profile`), or "measure": build every system, then measure them
+    all at each rate the parent sets; rank 0's report."""
     import torch.distributed as dist
 
     from varuna.comm.rendezvous import init_distributed
+    from varuna.profile.network import profile_network
+
+    if spec["mode"] == "profile":
+        profile(spec)
+        return None
 
     rank, _ = init_distributed()
     hosts = gather(socket.gethostname())
@@ -163,8 +201,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             break
         t0 = time.perf_counter()
         link = probe_link(hosts, rate)
-        measured = measure(runners, batches)
         point: dict[str, Any] = {"index": index, "rate_mbit": rate, "link_mbit": link, "systems": {}}
+        if spec["profile_network"]:
+            t1 = time.perf_counter()
+            point["network"] = profile_network(p2p_bytes=network_probe_bytes(rate)).to_json()
+            point["network_profile_s"] = time.perf_counter() - t1
+        measured = measure(runners, batches)
         for key, m in measured.items():
             timed = m["step_s"][warmup:]
             point["systems"][key] = {

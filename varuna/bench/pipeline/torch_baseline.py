@@ -1,5 +1,19 @@
-"""torch.distributed.pipelining's side of the pipeline benchmark: the bench GPT cut into
-`PipelineStage`s at Varuna's boundaries, and a runner per schedule (`TorchRunner`)."""
+"""torch.distributed.pipelining's side of the pipeline and network benchmarks: the bench GPT cut into
+`PipelineStage`s at Varuna's boundaries, and a runner per schedule (`TorchRunner`), one pipeline or
+D replicas of it.
+
+Ranks sit as in Varuna: rank r is pipeline rank r % P of replica r // P. With D > 1 each replica's
+stages talk over a process group of their own, each replica trains on its contiguous share of the
+global batch, and after the schedule's step every rank all-reduces its stages' gradients with the
+same stages of the other replicas (one flat buffer, averaged), before the optimizer step:
+
+    replica 0: ranks 0 .. P-1   ──  pipeline group {0, .., P-1}
+    replica 1: ranks P .. 2P-1  ──  pipeline group {P, .., 2P-1}
+    stage group of pipeline rank s: {s, s+P, .., s+(D-1)P}   (the gradient all-reduce)
+
+The all-reduce is not overlapped with the backward: torch.pipelining's schedule returns only when
+its last backward is done.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from varuna.bench.common import LR, build_model
+from varuna.errors import ConfigError
 from varuna.models import GPT
 
 __all__ = ["TorchRunner"]
@@ -67,9 +82,22 @@ def _lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+def _groups(pipeline: int, data: int) -> tuple[Any, Any]:
+    """(this rank's pipeline group, its stage group) of a P x D job; collective: every rank makes
+    every group, in the same order."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pipes = [dist.new_group([d * pipeline + s for s in range(pipeline)]) for d in range(data)]
+    stages = [dist.new_group([d * pipeline + s for d in range(data)]) for s in range(pipeline)]
+    return pipes[rank // pipeline], stages[rank % pipeline]
+
+
 class TorchRunner:
     """One torch.distributed.pipelining stage of the spec's model (at the spec's boundaries) and
-    schedule, with its own AdamW; `step(batch)` returns the mean loss on the last stage."""
+    schedule, with its own AdamW, in one of ``spec["data"]`` replicas (default 1) of a pipeline of
+    ``spec["pipeline"]`` ranks; `step(batch)` takes the global batch and returns this replica's mean
+    loss on its last stage (None elsewhere)."""
 
     def __init__(self, spec: dict[str, Any], name: str) -> None:
         import torch.distributed as dist
@@ -84,16 +112,27 @@ class TorchRunner:
 
         from varuna.schedule import schedule_spec
 
-        self.rank, P = dist.get_rank(), dist.get_world_size()
-        if P != spec["pipeline"]:
-            raise RuntimeError(
-                f"torch.pipelining job has {P} ranks but the spec says pipeline={spec['pipeline']}"
+        P, D, world = spec["pipeline"], spec.get("data", 1), dist.get_world_size()
+        if P * D != world:
+            raise ConfigError(
+                f"torch.pipelining job has {world} ranks but the spec says pipeline={P} x data={D} "
+                f"= {P * D}; give pipeline x data = the job's ranks"
             )
+        B, mbs = spec["global_batch_size"], spec["micro_batch_size"]
+        if B % (D * mbs):
+            raise ConfigError(
+                f"global batch {B} is not a multiple of data x micro_batch_size = {D} x {mbs}: "
+                "each replica needs whole micro-batches"
+            )
+        self.rank, self.data = dist.get_rank(), D
+        self.replica, self.share = self.rank // P, B // D
+        self.stage_group: Any
+        pipe_group, self.stage_group = _groups(P, D) if D > 1 else (None, None)
         # the virtual stages this rank holds, as Varuna places them (one per rank but for the
         # multi-chunk schedules: round-robin for interleaved-1f1b, a V for zb-v)
         sched = schedule_spec(name)
         n = P * sched.chunks_per_rank
-        held = sched.stages_of(self.rank, P)
+        held = sched.stages_of(self.rank % P, P)
         self.first, self.last = 0 in held, n - 1 in held
         units = _units(spec["model"]["n_layer"], bool(spec["model"].get("cut_inside_blocks")))
         gpt = build_model(spec["model"])
@@ -102,8 +141,11 @@ class TorchRunner:
             _Stage(gpt, _stage_units(bounds, v, units), first=v == 0, last=v == n - 1) for v in held
         ]
         del gpt
-        stages: list[Any] = [PipelineStage(m, v, n, torch.device("cpu")) for m, v in zip(self.modules, held)]
-        M = spec["global_batch_size"] // spec["micro_batch_size"]
+        cpu = torch.device("cpu")
+        stages: list[Any] = [
+            PipelineStage(m, v, n, cpu, group=pipe_group) for m, v in zip(self.modules, held)
+        ]
+        M = self.share // mbs
         self.schedule: Any
         if name == "zb-h1":  # torch's ZB1P (ZB-H1) is its interleaved zero-bubble schedule on one stage
             self.schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=M, loss_fn=_lm_loss)
@@ -116,15 +158,37 @@ class TorchRunner:
             self.schedule = kind(stages[0], n_microbatches=M, loss_fn=_lm_loss)
         # two chunks of a block cut inside it share its module: each parameter once
         params = {id(p): p for m in self.modules for p in m.parameters()}
-        self.opt = torch.optim.AdamW(list(params.values()), lr=LR)
+        self.params = list(params.values())
+        self.opt = torch.optim.AdamW(self.params, lr=LR)
 
     def step(self, batch: dict[str, Tensor]) -> float | None:
         mb_losses: list[Tensor] = []
         self.opt.zero_grad(set_to_none=True)
+        if self.data > 1:  # this replica's contiguous share of the global batch
+            lo = self.replica * self.share
+            batch = {k: v[lo : lo + self.share] for k, v in batch.items()}
         args = (batch["input_ids"],) if self.first else ()
         if self.last:
             self.schedule.step(*args, target=batch["labels"], losses=mb_losses, return_outputs=False)
         else:
             self.schedule.step(*args)
+        if self.data > 1:
+            self._allreduce_grads()
         self.opt.step()
         return float(torch.stack(mb_losses).detach().mean()) if mb_losses else None
+
+    def _allreduce_grads(self) -> None:
+        """The mean of this rank's gradients over the replicas of its stages: one flat all-reduce.
+        A parameter without a gradient (half of a block cut inside it, held whole) has none on
+        every replica of the stage."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.stage_group)
+        flat.div_(self.data)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
