@@ -1,4 +1,4 @@
-"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin | memory | faults | network) [--json] [--quick]``: run one benchmark, print its report."""
+"""``python -m varuna.bench (pipeline | morph | telemetry | planner | standin | memory | faults | network | spot) [--json] [--quick]``: run one benchmark, print its report."""
 
 from __future__ import annotations
 
@@ -64,9 +64,19 @@ BENCHES = {
         "pipelining against data parallelism over a shaped link between two hosts (needs root)",
         "4 ranks on 2 network-namespace hosts whose link is shaped (tc tbf) to several rates: at each, "
         "the samples/s of Varuna at 1x4, 2x2 (replicas across hosts, and stages across hosts) and 4x1, "
-        "PyTorch DistributedDataParallel at 1x4 and torch.distributed.pipelining at 4x1, on the same "
-        "GPT, weights, batches and optimizer; the rate below which pipelining wins, and a plot.",
+        "PyTorch DistributedDataParallel at 1x4 and torch.distributed.pipelining at 4x1 and 2x2, on the "
+        "same GPT, weights, batches and optimizer; the planner's pick from the network profiled at each "
+        "rate beside the measured best; the rate below which pipelining wins, and a plot.",
         "tiny model, unshaped and 20 Mbit/s, few steps: a smoke run of every path",
+    ),
+    "spot": (
+        "goodput while spot hosts come and go, against a static job and restart-only (needs root)",
+        "A job on one namespace host per trace node replays a host-availability trace (the shipped "
+        "default, or --trace FILE in Bamboo's ms,add|remove,node format, plus ms,notice,node,lead_ms), "
+        "hosts taken without warning or after a notice and added back; the goodput against the ideal "
+        "(the measured samples/s of the nodes present, over time), morphs, seconds per morph, steps "
+        "redone, and the same trace replayed by a static job and by restart-only.",
+        "a 50 s replay of the trace's first three nodes, fewer measured steps",
     ),
 }
 """name -> (one-line help, description, what --quick does); each lives in `varuna.bench.<name>`."""
@@ -82,6 +92,13 @@ EXTRA_OPTIONS: dict[str, list[tuple[str, dict[str, str]]]] = {
     ],
     "planner": [
         ("--scale", {"action": "store_true", "help": "plan 8..1024 GPUs of a paper GPT; report plan time"})
+    ],
+    "spot": [
+        ("--trace", {"metavar": "FILE", "help": "a host-availability trace (default: the shipped one)"}),
+        (
+            "--out",
+            {"metavar": "DIR", "help": "the run's folder: jobs, logs, spot.json (runs/bench-spot-<time>)"},
+        ),
     ],
     "network": [
         (
