@@ -84,6 +84,10 @@ SCHEMAS: dict[str, Any] = {
         "crossover_mbit": NUMBER_OR_NONE,
         "points": [{"rate_mbit": NUMBER_OR_NONE, "samples_per_s": {str: NUMBER}}],
     },
+    "spot": {
+        "unit": str,
+        "runs": [{"run": str, "ideal": NUMBER, "goodput": {str: NUMBER}}],
+    },
     "planner-scale": {
         "rows": [
             {
@@ -420,6 +424,31 @@ def draw_network_throughput(found: list[Result]) -> Any:
     return fig
 
 
+def draw_spot_goodput(found: list[Result]) -> Any:
+    """Each run of the spot bench: the goodput of the elastic job and of the baselines beside the
+    ideal of the trace (dashed), samples/s."""
+    from matplotlib.figure import Figure
+
+    runs = [run for r in found for run in r.data["runs"]]
+    policies = _ordered([list(run["goodput"]) for run in runs])
+    colors = _colors(policies)
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.subplots()
+    width = 0.8 / len(policies)
+    for i, run in enumerate(runs):
+        for j, policy in enumerate(policies):
+            value = run["goodput"].get(policy)
+            if value is not None:
+                x = i + (j - (len(policies) - 1) / 2) * width
+                ax.bar(x, value, width * 0.9, color=colors[policy], label=policy if i == 0 else None)
+        ax.hlines(run["ideal"], i - 0.45, i + 0.45, colors="0.3", linestyles="--", lw=1)
+    ax.set_xticks(range(len(runs)), [run["run"] for run in runs])
+    ax.set_ylabel(f"goodput ({found[-1].data['unit']})")
+    ax.set_title("goodput over the trace; dashed: the ideal")
+    ax.legend(fontsize=8, loc="lower right")
+    return fig
+
+
 @dataclass(frozen=True)
 class Plot:
     """A figure of a benchmark page: which result files it draws, how, and its caption."""
@@ -452,6 +481,12 @@ PLOTS: dict[str, Plot] = {
         "planner-scale",
         draw_planner_scale,
         "The plans for 8 to 1024 GPUs: predicted throughput and the step's losses (newest run).",
+    ),
+    "spot-goodput": Plot(
+        "spot",
+        draw_spot_goodput,
+        "Goodput of the elastic job, of restart-only and of a static job over the same trace, each run "
+        "beside the trace's ideal (dashed).",
     ),
     "network-throughput": Plot(
         "network",

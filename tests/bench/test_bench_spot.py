@@ -81,4 +81,6 @@ def test_spot_bench_quick_replays_the_trace_under_every_policy() -> None:
         assert baseline["goodput"] > 0 and baseline["launches"] >= 2, name
         assert baseline["steps_lost"] == 0 and baseline["steps_trained_twice"] == 0, name
         assert baseline["morphs"]["grow"] == 0, name  # baselines never grow a running job
-    assert set(report["throughput_by_ranks"]) == {str(len(p)) for _, _, p in report["trace"]["availability"] if p}
+    assert set(report["throughput_by_ranks"]) == {
+        str(len(p)) for _, _, p in report["trace"]["availability"] if p
+    }

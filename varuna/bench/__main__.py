@@ -76,7 +76,7 @@ BENCHES = {
         "hosts taken without warning or after a notice and added back; the goodput against the ideal "
         "(the measured samples/s of the nodes present, over time), morphs, seconds per morph, steps "
         "redone, and the same trace replayed by a static job and by restart-only.",
-        "a 50 s replay of the trace's first three nodes, fewer measured steps",
+        "a 40 s replay of the trace's first three nodes, fewer measured steps",
     ),
 }
 """name -> (one-line help, description, what --quick does); each lives in `varuna.bench.<name>`."""

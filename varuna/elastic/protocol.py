@@ -1,12 +1,16 @@
-"""One morph protocol for every trigger: a signal, `varuna resize`, or the notebook controller.
+"""One morph protocol for every trigger: a signal, `varuna resize`, the notebook controller, the agent's
+live host set, a preemption notice.
 
     trigger                      every rank                                  the supervisor
     ───────                      ──────────                                  ──────────────
     SIGUSR1 / SIGTERM to any  →  StopRequest set; at the end of the step   → exit status MORPH_EXIT:
-    worker, or a resize            the stop flag rides the per-step           read the oldest resize
-    request (which signals         all-reduce, so all ranks agree; write      request (or keep the
-    the workers)                   a checkpoint; exit with MORPH_EXIT         shape) and relaunch from
-                                                                              checkpoints/latest
+    worker, a resize request       the stop flag rides the per-step           read the oldest resize
+    (which signals the             all-reduce, so all ranks agree; write      request (or the shape for
+    workers), a stop file          a checkpoint; exit with MORPH_EXIT         the live host set, or keep
+    (`varuna.launch.notices`:                                                 the shape) and relaunch
+    the agent, `varuna notice`)  with a deadline (a notice): the same,        from checkpoints/latest
+                                   after the last step that leaves time for
+                                   a checkpoint before it (`varuna.engine.notice`)
 
 The user's script holds no signal handler: the engine installs one. Before the engine exists the
 worker holds one for SIGUSR1 (`varuna.launch.signals.remember_early_stops`), so a `varuna resize` that lands while the

@@ -78,7 +78,7 @@ class SpotBench:
     model: dict[str, Any] = field(
         default_factory=lambda: {"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_layer": 4, "n_head": 2}
     )
-    lr: float = 0.05
+    lr: float = 0.01
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
 
@@ -97,7 +97,7 @@ def full() -> SpotBench:
 
 
 def quick() -> SpotBench:
-    return SpotBench(duration_s=50.0, nodes=3, measure_steps=5, settle_s=2.0)
+    return SpotBench(duration_s=40.0, nodes=3, measure_steps=4, settle_s=2.0)
 
 
 # ---------------------------------------------------------------------------------- the jobs
