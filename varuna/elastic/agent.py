@@ -500,8 +500,9 @@ class Agent:
 
     def gone_hosts(self) -> set[str]:
         """The hosts of the last launch that the host set no longer has (taken, with or without notice)."""
-        available = self._poll_hosts()
-        return {h for h, n in self.offered.items() if available.get(h, 0) < n}
+        assert self.hostset is not None
+        self._poll_hosts()
+        return set(self.hostset.gone(self.offered))
 
     def hosts_lost(self, job: Job, code: int, intent: str | None) -> set[str]:
         """The hosts this launch lost: those the controller named (a host_lost or exclude intent), and
@@ -537,7 +538,7 @@ class Agent:
                 "hosts_dropped",
                 job.job_id,
                 lost=sorted(lost),
-                gone=sorted(self.gone_hosts()),
+                gone=sorted(self.hostset.gone(self.offered)),
                 available=available,
                 slots=sum(available.values()),
             )

@@ -221,11 +221,16 @@ class HostSet:
         """Whether the available set has stayed unchanged for `settle_s`."""
         return (time.monotonic() if now is None else now) - self.changed_at >= self.settle_s
 
+    def gone(self, offered: Mapping[str, int]) -> tuple[str, ...]:
+        """The hosts of `offered` that are not available now, or with fewer slots."""
+        available = self.available()
+        return tuple(h for h, n in offered.items() if available.get(h, 0) < n)
+
     def change(self, offered: Mapping[str, int], now: float | None = None) -> Change | None:
         """What differs between the hosts a launch was `offered` and those available now: a shrink at
         once, a grow once settled; None when nothing (yet) calls for a morph."""
         available = self.available()
-        gone = tuple(h for h, n in offered.items() if available.get(h, 0) < n)
+        gone = self.gone(offered)
         added = tuple(h for h, n in available.items() if n > offered.get(h, 0))
         if gone:
             return Change("shrink", gone, added, available)
