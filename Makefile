@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 install: $(STAMP)
 
 test: install lint docs $(CHROMIUM) netns-tools slurm-tools
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25
 
 # The unit tier only (tests/unit: no processes, well under a minute).
 test-quick: install

@@ -13,7 +13,7 @@ import pytest
 from _helpers import run_bench
 
 from varuna.bench.netns import unavailable
-from varuna.bench.spot import DEFAULT_TRACE, read_trace
+from varuna.bench.spot import DEFAULT_TRACE, QUICK_TRACE, read_trace
 from varuna.errors import ConfigError
 
 
@@ -26,6 +26,14 @@ def test_the_default_trace_has_notices_unannounced_removals_and_returns() -> Non
     assert spans[0][0] == 0.0 and spans[-1][1] == 600.0
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # contiguous
     assert {len(p) for _, _, p in spans} == {2, 3, 4}
+    quick = read_trace(QUICK_TRACE)  # the suite's: each kind of change once, on two nodes
+    assert quick.nodes == ["n1", "n2"] and sorted(e.kind for e in quick.events) == [
+        "add",
+        "add",
+        "add",
+        "notice",
+        "remove",
+    ]
 
 
 def test_a_notice_is_replayed_as_itself_and_a_removal_after_its_lead(tmp_path: Path) -> None:
@@ -66,12 +74,12 @@ def test_bamboo_traces_read_as_they_are_and_bad_lines_are_named(tmp_path: Path) 
 
 @pytest.mark.multirank
 @pytest.mark.multihost
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(320)
 def test_spot_bench_quick_replays_the_trace_under_every_policy() -> None:
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
-    report, _ = run_bench("spot", timeout=400)
+    report, _ = run_bench("spot", timeout=300)
     assert set(report["baselines"]) == {"restart_only", "static"}
     assert report["goodput"] > 0 and report["ideal"] > 0
     assert report["morphs"]["grow"] >= 1 and report["morphs"]["shrink"] >= 1
@@ -84,3 +92,15 @@ def test_spot_bench_quick_replays_the_trace_under_every_policy() -> None:
     assert set(report["throughput_by_ranks"]) == {
         str(len(p)) for _, _, p in report["trace"]["availability"] if p
     }
+
+
+def test_a_run_folder_that_holds_an_earlier_run_is_refused(tmp_path: Path) -> None:
+    # the benches read their jobs' event logs back: an earlier run's would be read as this one's
+    from varuna.bench import fresh_out
+
+    assert fresh_out(tmp_path / "new" / "run").is_dir()
+    assert fresh_out(tmp_path / "new" / "run") == tmp_path / "new" / "run"  # still empty: fine
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "spot.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"--out .*old already holds files .*name a new or empty folder"):
+        fresh_out(tmp_path / "old")

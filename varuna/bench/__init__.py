@@ -49,6 +49,20 @@ def print_report(report: dict[str, object], table: str, as_json: bool) -> int:
     return 0
 
 
+def fresh_out(out: Path) -> Path:
+    """Make the run's folder `out`; a folder that already holds files is refused (ConfigError): the
+    benches read their jobs' event logs back, and a second run's jobs would be read with the first's."""
+    from varuna.errors import ConfigError
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"--out {out} already holds files (an earlier run?): name a new or empty folder, "
+            "or leave --out out for a fresh one under runs/"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def require_positive(config: object, *names: str) -> None:
     """Raise ConfigError naming the first of `config`'s fields `names` that is not an int >= 1."""
     from varuna.errors import ConfigError

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from varuna.bench import log, print_report, require_positive
+from varuna.bench import fresh_out, log, print_report, require_positive
 from varuna.bench.common import run_job
 from varuna.bench.network.planner import PLACEMENTS, judge_point, plan_point, planned_cuts, summarize
 from varuna.bench.network.plot import write_plot
@@ -519,7 +519,7 @@ def run(bench: NetworkBench, out: Path) -> dict[str, Any]:
     from varuna.bench.netns import NetnsHosts
 
     t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
+    fresh_out(out)
     hosts = NetnsHosts(3, workdir=out).up()
     try:
         table, profile = _profile(bench, hosts, out)

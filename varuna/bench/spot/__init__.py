@@ -10,7 +10,7 @@ The method is the driver's docstring.
 from __future__ import annotations
 
 from varuna.bench.spot.driver import POLICIES, SpotBench, analyse, full, main, quick, run
-from varuna.bench.spot.trace import DEFAULT_TRACE, Event, Trace, read_trace
+from varuna.bench.spot.trace import DEFAULT_TRACE, QUICK_TRACE, Event, Trace, read_trace
 
 __all__ = [
     "SpotBench",
@@ -24,4 +24,5 @@ __all__ = [
     "Event",
     "read_trace",
     "DEFAULT_TRACE",
+    "QUICK_TRACE",
 ]

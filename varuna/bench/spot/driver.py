@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from varuna._files import write_json_atomic
-from varuna.bench import bench_env, log, print_report, require_positive
+from varuna.bench import bench_env, fresh_out, log, print_report, require_positive
 from varuna.bench.common import run_job
 from varuna.bench.netns import NetnsHosts, unavailable
-from varuna.bench.spot.trace import DEFAULT_TRACE, Trace, read_trace
+from varuna.bench.spot.trace import DEFAULT_TRACE, QUICK_TRACE, Trace, read_trace
 from varuna.elastic.agent import AGENT_DIR, SPEC, read_state, write_intent
 from varuna.elastic.hostset import edit_hostfile
 from varuna.elastic.protocol import Shape
@@ -97,7 +97,8 @@ def full() -> SpotBench:
 
 
 def quick() -> SpotBench:
-    return SpotBench(duration_s=40.0, nodes=3, measure_steps=4, settle_s=2.0)
+    """Two nodes over 28 s (QUICK_TRACE unless a trace is given), 4 measured steps, a 2 s settle."""
+    return SpotBench(duration_s=28.0, nodes=2, measure_steps=4, settle_s=2.0)
 
 
 # ---------------------------------------------------------------------------------- the jobs
@@ -318,7 +319,7 @@ def run(bench: SpotBench, trace: Trace, out: Path) -> dict[str, Any]:
     trace = trace.scaled(bench.duration_s, bench.nodes)
     nodes = trace.nodes
     t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
+    fresh_out(out)
     hosts = NetnsHosts(1 + len(nodes), workdir=out).up()
     workers = hosts.names[1:]
     mapping = dict(zip(nodes, workers, strict=False))
@@ -392,7 +393,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     bench = quick() if args.quick else full()
-    trace = read_trace(Path(args.trace)) if getattr(args, "trace", None) else read_trace(DEFAULT_TRACE)
+    given = getattr(args, "trace", None)
+    trace = read_trace(Path(given) if given else QUICK_TRACE if args.quick else DEFAULT_TRACE)
     out = Path(
         getattr(args, "out", None) or Path.cwd() / "runs" / f"bench-spot-{time.strftime('%Y%m%d-%H%M%S')}"
     )

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from varuna.errors import ConfigError
 
-__all__ = ["Event", "Trace", "read_trace", "DEFAULT_TRACE"]
+__all__ = ["Event", "Trace", "read_trace", "DEFAULT_TRACE", "QUICK_TRACE"]
 
 DEFAULT_TRACE = Path(__file__).with_name("default_trace.csv")
+QUICK_TRACE = Path(__file__).with_name("quick_trace.csv")
+"""The `--quick` run's trace: two nodes, 28 s, a notice, a return and an unannounced removal."""
 _KINDS = ("add", "remove", "notice", "end")
 
 
