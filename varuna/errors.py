@@ -6,6 +6,7 @@ Each message says what was expected, what was given, and which setting to change
 from __future__ import annotations
 
 import math
+import re
 
 __all__ = [
     "VarunaError",
@@ -17,6 +18,7 @@ __all__ = [
     "MemoryLimitError",
     "check_int",
     "check_number",
+    "check_duration",
     "is_int",
 ]
 
@@ -92,16 +94,40 @@ def check_number(
     name: str,
     *,
     above: float = 0.0,
+    inclusive: bool = False,
     error: type[VarunaError] = ConfigError,
     message: str | None = None,
 ) -> float:
     """The one check of a real-valued option: `value` as a float if it is an int or float (not a
-    bool), finite and greater than `above`; else `error` with `message`, or a message naming `name`."""
+    bool), finite and greater than `above` (or equal to it, with `inclusive`); else `error` with
+    `message`, or a message naming `name`."""
     if (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
         and math.isfinite(value)
-        and value > above
+        and (value >= above if inclusive else value > above)
     ):
         return float(value)
-    raise error(message or f"{name} must be a number > {above:g}, got {value!r}")
+    raise error(message or f"{name} must be a number {'>=' if inclusive else '>'} {above:g}, got {value!r}")
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|sec|min|m|h)?")
+_DURATION_UNITS = {None: 1.0, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
+
+
+def check_duration(
+    value: object, *, message: str, unit_required: bool = False, positive: bool = False
+) -> float:
+    """Seconds of a duration: a number with a unit ("90s", "2min", "1h"; s, sec, min, m, h) or, unless
+    `unit_required`, a bare number of seconds (90, "90"); >= 0, or > 0 with `positive`; else a
+    ConfigError with `message` (which says what to give, in the option's own words)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not unit_required:
+        seconds = float(value)
+    else:
+        match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+        if match is None or (unit_required and match.group(2) is None):
+            raise ConfigError(message)
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
+        raise ConfigError(message)
+    return seconds

@@ -13,7 +13,7 @@ from varuna.comm.local import LocalLink
 from varuna.comm.p2p import P2P
 from varuna.comm.serial import SerialLink
 from varuna.engine.observer import Observer, Unobserved
-from varuna.errors import ConfigError, PlanError, check_int, check_number, is_int
+from varuna.errors import ConfigError, PlanError, check_duration, check_int, check_number, is_int
 from varuna.telemetry.recorder import Telemetry
 
 
@@ -54,6 +54,33 @@ def test_check_number() -> None:
             check_number(bad, "x")
     with pytest.raises(ConfigError, match=r"ratio must be a number > 1, got 1.0"):
         check_number(1.0, "ratio", above=1.0)
+    assert check_number(0, "settle_s", inclusive=True) == 0.0  # an inclusive bound takes the bound
+    for bad in (-0.5, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"^settle_s must be a number >= 0, got "):
+            check_number(bad, "settle_s", inclusive=True)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("90", 90.0), (90, 90.0), ("90s", 90.0), ("2 min", 120.0), ("1m", 60.0), ("0", 0.0)],
+)
+def test_check_duration_reads_seconds_with_or_without_a_unit(value: object, seconds: float) -> None:
+    assert check_duration(value, message="m") == seconds
+
+
+def test_check_duration_bounds_and_required_units_raise_the_given_message() -> None:
+    assert check_duration("1.5h", message="m", unit_required=True, positive=True) == 5400.0
+    for bad, kw in [
+        ("90", {"unit_required": True}),  # a bare number is something else there (steps)
+        (90, {"unit_required": True}),
+        ("0s", {"positive": True}),
+        ("-5s", {}),
+        ("2 days", {}),
+        (True, {}),
+        (None, {}),
+    ]:
+        with pytest.raises(ConfigError, match=r"^give a duration$"):
+            check_duration(bad, message="give a duration", **kw)
 
 
 def test_is_int() -> None:

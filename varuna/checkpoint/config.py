@@ -3,16 +3,12 @@ weights, the seed of a fresh initialisation) and how many checkpoints to keep.""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from varuna.errors import ConfigError, check_int
+from varuna.errors import ConfigError, check_duration, check_int
 
 __all__ = ["CheckpointConfig"]
-
-_EVERY = re.compile(r"(\d+(?:\.\d+)?)\s*(s|min|h)")
-_UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,11 +70,10 @@ class CheckpointConfig:
 
 def _seconds(every: str) -> float:
     """Seconds of a `checkpoint_every` time ("30s", "10min", "1h"), or a ConfigError."""
-    match = _EVERY.fullmatch(every.strip())
-    seconds = float(match.group(1)) * _UNITS[match.group(2)] if match else 0.0
-    if not seconds > 0:
-        raise ConfigError(
-            f"checkpoint_every={every!r}: give a number of steps (an int) or a time such as '30s', "
-            "'10min' or '1h'"
-        )
-    return seconds
+    return check_duration(
+        every,
+        unit_required=True,  # a bare number is a number of steps
+        positive=True,
+        message=f"checkpoint_every={every!r}: give a number of steps (an int) or a time such as '30s', "
+        "'10min' or '1h'",
+    )

@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from varuna._files import write_atomic
 from varuna._slurm import expand_hostlist, expand_tasks_per_node
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_number
 from varuna.launch.hostfile import hostfile_hosts
 
 __all__ = [
@@ -148,12 +148,13 @@ def slurm_hosts(show_job: str) -> dict[str, int] | None:
 
 def check_settle(value: object) -> float:
     """`settle_s` as a float >= 0, or a ConfigError that says what to give."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
-        raise ConfigError(
-            f"settle_s must be a number of seconds >= 0 (how long a new host must stay before the job grows "
-            f"onto it), got {value!r}"
-        )
-    return float(value)
+    return check_number(
+        value,
+        "settle_s",
+        inclusive=True,
+        message=f"settle_s must be a number of seconds >= 0 (how long a new host must stay before the job "
+        f"grows onto it), got {value!r}",
+    )
 
 
 def write_hostfile(path: Path, hosts: Mapping[str, int]) -> Path:

@@ -17,36 +17,27 @@ step and a checkpoint still fit before it. This module imports no torch.
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 from varuna._files import write_json_atomic
-from varuna.errors import ConfigError
+from varuna.errors import ConfigError, check_duration
 
 __all__ = ["REQUESTS", "post_stop", "stop_requests", "StopFiles", "parse_duration", "launch_info"]
 
 REQUESTS = "requests"
 _PATTERN = "stop-*.json"
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|sec|min|m|h)?")
-_UNITS = {None: 1.0, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_duration(text: str | float, *, what: str = "--deadline") -> float:
     """Seconds of a duration: a number of seconds (90, "90") or with a unit ("90s", "2min", "1h"),
     as ``varuna notice --deadline`` and ``VARUNA_NOTICE_S`` take it; a ConfigError naming `what`
     for anything else (a negative or unknown unit)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        seconds = float(text)
-    else:
-        match = _DURATION.fullmatch(str(text).strip())
-        seconds = float(match.group(1)) * _UNITS[match.group(2)] if match else -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ConfigError(
-            f"{what} {text!r} is not a duration: give seconds (90), or a number with a unit: 90s, 2min, 1h"
-        )
-    return seconds
+    return check_duration(
+        text,
+        message=f"{what} {text!r} is not a duration: give seconds (90), or a number with a unit: 90s, 2min, 1h",
+    )
 
 
 def launch_info(run_dir: Path) -> dict[str, Any] | None:
