@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and the ``run`` subparser."""
+    from varuna.planner.cluster import PLACEMENTS
+
     parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training.")
     parser.add_argument(
         "--version", action=_Version, nargs=0, help="print varuna's and torch's versions and exit"
@@ -57,6 +59,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--data", "-d", type=int, default=1, metavar="D", help="data-parallel replicas (default 1)"
     )
     run.add_argument("--hostfile", type=Path, metavar="FILE", help="hosts to run on (MPI hostfile)")
+    run.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="block",
+        help="how ranks sit on the hosts: block fills each host in rank order (default), cyclic deals "
+        "ranks to the hosts in turn, rank r on host r mod H (`varuna plan` says which)",
+    )
     run.add_argument(
         "--run-dir", type=Path, metavar="DIR", help="logs, failures, status (default runs/<time>)"
     )
@@ -322,6 +331,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(result.format(top=args.top))
         print("\n".join(format_limits(result)))
         print(f"planned {args.gpus} GPUs{hosts} in {took:.2f} s")
+        if cluster is not None and result.ranked and result.best.placement:
+            best, n = result.best, cluster.hosts(args.gpus)
+            print(
+                f"launch the best with: varuna run -p {best.pipeline} -d {best.data} --placement "
+                f"{best.placement} --hostfile FILE train.py  (FILE: {n} hosts, {cluster.gpus_per_host} slots each)"
+            )
     return 0
 
 
@@ -463,6 +478,7 @@ def _run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             timeout_s=args.timeout,
             settle_s=args.settle,
+            placement=args.placement,
         )
     if args.elastic:
         from varuna.elastic.supervisor import run_elastic
@@ -475,6 +491,7 @@ def _run(args: argparse.Namespace) -> int:
             hostfile=args.hostfile,
             max_restarts=args.max_restarts,
             timeout_s=args.timeout,
+            placement=args.placement,
         )
     return run_job(
         script_argv,
@@ -483,6 +500,7 @@ def _run(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         hostfile=args.hostfile,
         timeout_s=args.timeout,
+        placement=args.placement,
     )
 
 

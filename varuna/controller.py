@@ -49,6 +49,7 @@ from varuna.launch.exclude import write_without
 from varuna.launch.job import Job
 from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
 from varuna.launch.pids import check_status
+from varuna.planner.cluster import Placement
 from varuna.telemetry import events as _events
 from varuna.telemetry.channel import Channel
 from varuna.telemetry.heartbeat import DEFAULT_SILENT_AFTER_S, Liveness, SilentRank, watch_silence
@@ -230,6 +231,7 @@ class JobController(StoreViews):
         silent_after_s: float = DEFAULT_SILENT_AFTER_S,
         watch_hosts: str | None = None,
         settle_s: float = DEFAULT_SETTLE_S,
+        placement: Placement = "block",
     ) -> JobController:
         """Launch `script_argv` at `pipeline` x `data` under its own agent process; return at once.
 
@@ -240,7 +242,10 @@ class JobController(StoreViews):
         `watch_hosts` makes the job follow a live host set (`varuna.elastic.hostset`): "hostfile" (the
         `hostfile`, whose edits and `varuna hosts RUN_DIR add|remove` take effect) or "slurm" (the
         allocation). The job shrinks when a host it runs on goes and grows onto hosts that stayed
-        `settle_s` seconds, in the shape the planner picks for the slots (same global batch)."""
+        `settle_s` seconds, in the shape the planner picks for the slots (same global batch).
+
+        `placement` is how every launch puts the ranks on the hosts: "block" (hosts filled in rank
+        order) or "cyclic" (dealt to them in turn), as `varuna run --placement`."""
         run_dir = (
             Path(run_dir) if run_dir is not None else Path.cwd() / "runs" / time.strftime("%Y%m%d-%H%M%S")
         )
@@ -252,6 +257,7 @@ class JobController(StoreViews):
             run_dir=run_dir,
             hostfile=hostfile,
             timeout_s=timeout_s,
+            placement=placement,
         )
         check_int(max_restarts, "max_restarts", minimum=0)
         settle_s = check_settle(settle_s)
@@ -270,6 +276,7 @@ class JobController(StoreViews):
             "env": dict(env or {}),
             "watch_hosts": watch_hosts,
             "settle_s": settle_s,
+            "placement": placement,
         }
         try:
             self._launch_agent(spec, pipeline, data, resume)

@@ -8,6 +8,9 @@ tests/scripts/multihost_controller.py on h1, which reports what happened as JSON
 
 Losses are those of plain training on the same global batches (every step exactly once in the
 steer run; after a host loss the steps since the checkpoint are trained again, to the same losses).
+
+One more test launches `varuna run` itself on h1 (no controller): the same hostfile h2:2 h3:2 puts
+ranks 0-3 on h2 h2 h3 h3 by default and on h2 h3 h2 h3 with `--placement cyclic`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from _helpers import REPO, SCRIPTS
 
 from varuna.bench.netns import NetnsHosts
+from varuna.telemetry.events import read_events
 
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import reference  # noqa: E402
@@ -163,3 +167,28 @@ def test_multihost_a_host_whose_link_goes_down_is_named_and_left_out(
         subprocess.run([*port, "up"], check=False)
         for pid in workers_on(hosts, "h3"):
             os.kill(pid, 9)
+
+
+@pytest.mark.timeout(300)
+def test_multihost_placement_cyclic_deals_ranks_to_the_hosts_in_turn(
+    hosts: NetnsHosts, tmp_path: Path, varuna_run
+) -> None:
+    hostfile = hosts.hostfile(tmp_path / "hosts", {"h2": 2, "h3": 2})
+    placed = {}
+    for placement, flag in (("block", []), ("cyclic", ["--placement", "cyclic"])):  # block: the default
+        run_dir = tmp_path / placement
+        varuna_run(
+            [SCRIPTS / "controller_train.py", "2", "0"],  # 2 steps, no pause
+            pipeline=2,
+            data=2,
+            run_dir=run_dir,
+            flags=["--hostfile", str(hostfile), *flag, "--timeout", "100"],
+            env={"VARUNA_MPIEXEC_ARGS": hosts.mpiexec_args},
+            wrap=hosts.command("h1", []),
+            cwd=tmp_path,
+            timeout=110,
+        )
+        hello = [e for e in read_events(run_dir) if e["type"] == "hello"]
+        placed[placement] = [h["host"] for h in sorted(hello, key=lambda e: e["rank"])]
+        assert json.loads((run_dir / "job.json").read_text())["placement"] == placement
+    assert placed == {"block": ["h2", "h2", "h3", "h3"], "cyclic": ["h2", "h3", "h2", "h3"]}

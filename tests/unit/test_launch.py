@@ -1,5 +1,5 @@
 """Tests of varuna/launch.py, varuna/worker.py and varuna/cli.py that start no process: the missing
-mpiexec, the line tee, the post-mortem, CLI validation. The mpiexec command lines (which ask
+mpiexec, the line tee, the post-mortem, CLI validation, the placement of ranks on hosts. The mpiexec command lines (which ask
 `mpiexec --version`) and the real 2-rank jobs are in tests/multirank/test_launch_jobs.py.
 """
 
@@ -9,15 +9,23 @@ import io
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _helpers import SCRIPTS
 
 from varuna import cli
+from varuna.controller import JobController
+from varuna.elastic import agent, supervisor
+from varuna.elastic.protocol import Shape
 from varuna.errors import ConfigError, LaunchError
-from varuna.launch.job import Job, mpiexec_command, summarise
+from varuna.launch import job as job_module
+from varuna.launch.hostfile import filled_hosts
+from varuna.launch.job import CYCLIC_HOSTFILE, Job, mpiexec_command, summarise
 from varuna.launch.worker import LineTee
+from varuna.planner.cluster import Placement
 
 FAIL = str(SCRIPTS / "launch_fail.py")
 
@@ -183,3 +191,147 @@ def test_job_validates_before_starting(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"--pipeline must be an integer >= 1 \(got 0\)"):
         Job([FAIL], pipeline=0, data=1, run_dir=tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+# --- placement: where the ranks go (--placement block|cyclic) ---------------------------------------
+
+
+@pytest.fixture
+def flavor(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Pretend the mpiexec found is MPICH's hydra or Open MPI's (no `mpiexec --version` is run)."""
+    monkeypatch.setattr(job_module, "find_mpiexec", lambda: Path("/opt/mpi/bin/mpiexec"))
+    monkeypatch.delenv("VARUNA_MPIEXEC_ARGS", raising=False)
+
+    def use(name: str) -> None:
+        monkeypatch.setattr(job_module, "mpi_flavor", lambda exe: name)
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("mpi", "placement", "flags"),
+    [
+        ("mpich", "block", ["-f", "hosts"]),
+        ("mpich", "cyclic", ["-f", "hosts", "-ppn", "1"]),  # every host one slot: dealt in turn, wrapping
+        ("openmpi", "block", ["--oversubscribe", "--hostfile", "hosts"]),
+        ("openmpi", "cyclic", ["--oversubscribe", "--map-by", "node", "--hostfile", "hosts"]),
+    ],
+)
+def test_mpiexec_command_places_ranks_as_asked(
+    flavor: Callable[[str], None], mpi: str, placement: Placement, flags: list[str]
+) -> None:
+    flavor(mpi)
+    cmd = mpiexec_command(4, ["w.py"], hostfile=Path("hosts"), env={}, placement=placement)
+    assert cmd == ["/opt/mpi/bin/mpiexec", "-n", "4", *flags, "w.py"]
+
+
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
+def test_cyclic_without_a_hostfile_is_one_host_and_changes_nothing(
+    flavor: Callable[[str], None], mpi: str
+) -> None:
+    flavor(mpi)
+    block = mpiexec_command(4, ["w.py"], hostfile=None, env={"A": "1"})
+    assert mpiexec_command(4, ["w.py"], hostfile=None, env={"A": "1"}, placement="cyclic") == block
+
+
+def test_a_placement_that_is_neither_block_nor_cyclic_is_refused(
+    flavor: Callable[[str], None], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flavor("mpich")
+    message = r"--placement 'round-robin' is not one of 'block', 'cyclic': 'block' fills the hosts"
+    with pytest.raises(ConfigError, match=message):
+        mpiexec_command(4, ["w.py"], hostfile=None, env={}, placement="round-robin")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        Job([FAIL], pipeline=2, data=2, run_dir=tmp_path / "r", placement="round-robin")  # type: ignore[arg-type]
+    with pytest.raises(SystemExit, match="2"):
+        cli.main(["run", "-p", "2", "--placement", "round-robin", FAIL])
+    assert (
+        "--placement: invalid choice: 'round-robin' (choose from 'block', 'cyclic')"
+        in capsys.readouterr().err
+    )
+
+
+def test_cyclic_deals_only_to_the_hosts_the_ranks_fill(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("h1:2\nh2 slots=2\nh3:2\n")
+    assert filled_hosts(hosts, 4) == {"h1": 2, "h2": 2}
+    assert filled_hosts(hosts, 5) == filled_hosts(hosts, 9) == {"h1": 2, "h2": 2, "h3": 2}
+    cyclic = Job([FAIL], pipeline=2, data=2, run_dir=tmp_path / "r", hostfile=hosts, placement="cyclic")
+    cyclic.run_dir.mkdir()
+    used = cyclic._launch_hostfile()  # h3 is spare: -ppn 1 would put rank 2 there, not on h1
+    assert used == cyclic.run_dir / CYCLIC_HOSTFILE and used.read_text() == "h1\nh2\n"
+    assert Job([FAIL], pipeline=3, data=2, hostfile=hosts, placement="cyclic")._launch_hostfile() == hosts
+    assert Job([FAIL], pipeline=2, data=2, hostfile=hosts)._launch_hostfile() == hosts  # block: as given
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> dict[str, Any]:
+    """Replace `module.name` by a function that records its keyword arguments and returns 0."""
+    seen: dict[str, Any] = {}
+
+    def fake(*args: object, **kwargs: object) -> int:
+        seen.update(kwargs)
+        return 0
+
+    monkeypatch.setattr(module, name, fake)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("flags", "module", "name"),
+    [
+        ([], job_module, "run_job"),
+        (["--elastic"], supervisor, "run_elastic"),
+        (["--elastic", "--watch-hosts", "--hostfile", "hosts"], agent, "run_foreground"),
+    ],
+)
+def test_cli_passes_the_placement_to_every_launcher(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], module: object, name: str
+) -> None:
+    seen = _capture(monkeypatch, module, name)
+    argv = ["run", "-p", "2", "-d", "2", *flags, "--placement", "cyclic", FAIL, "--placement", "x"]
+    assert cli.main(argv) == 0
+    assert seen["placement"] == "cyclic"  # the script's own --placement x stays the script's
+    assert cli.main(["run", "-p", "2", "-d", "2", *flags, FAIL]) == 0
+    assert seen["placement"] == "block"
+
+
+def test_every_launch_of_a_job_keeps_its_placement(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # varuna run -> Job; varuna run --elastic -> each run_job
+    made: list[Job] = []
+
+    class Started(Job):
+        def start(self) -> None:
+            made.append(self)
+            self.state = "after"
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(job_module, "Job", Started)
+    code = job_module.run_job([FAIL], pipeline=2, data=2, run_dir=None, hostfile=None, placement="cyclic")
+    assert code == 0 and made[-1].placement == "cyclic"
+    relaunch = _capture(monkeypatch, supervisor, "run_job")
+    assert supervisor.run_elastic([FAIL], pipeline=2, data=2, run_dir=tmp_path / "b", placement="cyclic") == 0
+    assert relaunch["placement"] == "cyclic"
+    # the agent (varuna run --elastic --watch-hosts, JobController) builds every launch from its spec
+    spec = {"argv": [FAIL], "pipeline": 2, "data": 2, "hostfile": None, "placement": "cyclic"}
+    assert agent.Agent(tmp_path / "c", spec).make_job(Shape(2, 1), None).placement == "cyclic"
+    del spec["placement"]  # a spec written before --placement existed
+    assert agent.Agent(tmp_path / "d", spec).make_job(Shape(2, 2), None).placement == "block"
+    # a resume of a run that `varuna run` started reads the placement from its job.json
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "job.json").write_text(
+        json.dumps({"argv": [FAIL], "pipeline": 2, "data": 2, "placement": "cyclic"})
+    )
+    assert agent.relaunch_spec(tmp_path / "e")["placement"] == "cyclic"
+
+
+def test_controller_start_puts_the_placement_in_the_agents_spec(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    specs: list[dict[str, Any]] = []
+    monkeypatch.setattr(JobController, "_launch_agent", lambda self, spec, *_: specs.append(spec))
+    JobController.start([FAIL], pipeline=2, data=2, run_dir=tmp_path / "run", placement="cyclic").close()
+    assert specs[0]["placement"] == "cyclic"
+    with pytest.raises(ConfigError, match=r"--placement 'ring' is not one of"):
+        JobController.start([FAIL], pipeline=2, data=2, run_dir=tmp_path / "run", placement="ring")  # type: ignore[arg-type]

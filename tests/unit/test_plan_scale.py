@@ -316,10 +316,18 @@ def test_hosts_from_the_profile_or_the_flags(tmp_path: Path, capsys: pytest.Capt
     )
     args = ["plan", "--gpus", "16", "--memory", "80GiB", "--global-batch", "64", "--top", "1"]
     assert main([*args, "--profile", str(tmp_path / "profile.json")]) == 0
-    assert "on 4 hosts of 4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "on 4 hosts of 4" in out
+    assert main([*args, "--profile", str(tmp_path / "profile.json"), "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["ranked"][0]
+    assert out.splitlines()[-1] == (  # the best's shape and placement as `varuna run` takes them
+        f"launch the best with: varuna run -p {best['pipeline']} -d {best['data']} --placement "
+        f"{best['placement']} --hostfile FILE train.py  (FILE: 4 hosts, 4 slots each)"
+    )
     plain = paper_table(PaperGPT(n_layer=8, d_model=1024, seq=512)).save(tmp_path / "plain.json")
     assert main([*args, "--profile", str(plain)]) == 0
-    assert "hosts of" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "hosts of" not in out and "--placement" not in out  # one host: nothing to place
     assert main([*args, "--profile", str(plain), "--inter-host-gbit", "200"]) == 2
     assert "pass --gpus-per-host G" in capsys.readouterr().err
     assert main([*args, "--profile", str(plain), "--gpus-per-host", "0"]) == 2

@@ -112,6 +112,8 @@ def test_srun_command_keeps_values_off_the_command_line(tmp_path: Path) -> None:
         "varuna.launch.worker",
         "t.py",
     ]
+    cyclic = srun_command(4, ["python", "-m", "varuna.launch.worker", "t.py"], env, placement="cyclic")
+    assert cyclic == [*cmd[:9], "--distribution=cyclic", *cmd[9:]]  # tasks dealt to the nodes in turn
     with pytest.raises(ConfigError, match="VARUNA_SRUN_ARGS is not a valid list of shell words"):
         srun_command(1, ["x"], {**env, "VARUNA_SRUN_ARGS": "'open"})
     with pytest.raises(LaunchError, match="no `/nowhere/srun` found"):

@@ -60,6 +60,7 @@ from varuna.launch.launches import Launch, post_mortem
 from varuna.launch.notices import post_stop, stop_requests
 from varuna.launch.pids import identity
 from varuna.launch.postmortem import read_reports
+from varuna.planner.cluster import Placement
 
 __all__ = ["AGENT_DIR", "SPEC", "STATE", "INTENT", "NOTES", "read_state", "write_intent", "spawn", "main"]
 
@@ -268,6 +269,7 @@ class Agent:
             extra_env=env,
             timeout_s=self.spec.get("timeout_s"),
             grace_s=float(self.spec.get("grace_s", 10.0)),
+            placement=self.spec.get("placement", "block"),
             stdout=self.stdout,
             stderr=sys.stderr,
         )
@@ -590,6 +592,7 @@ def relaunch_spec(run_dir: Path) -> dict[str, Any]:
     else:
         job = json.loads((Path(run_dir) / "job.json").read_text())
         spec = {"argv": list(job["argv"]), "pipeline": job["pipeline"], "data": job["data"], "env": {}}
+        spec["placement"] = job.get("placement", "block")
     drop = ("VARUNA_EVENTS", "VARUNA_COMMANDS")
     spec["env"] = {k: v for k, v in spec.get("env", {}).items() if k not in drop}
     return dict(spec)
@@ -640,6 +643,7 @@ def run_foreground(
     max_restarts: int = 3,
     timeout_s: float | None = None,
     settle_s: float = DEFAULT_SETTLE_S,
+    placement: Placement = "block",
 ) -> int:
     """`varuna run --elastic --watch-hosts`: the agent in this process, the ranks' output on this
     terminal, following the hostfile as it changes; the last launch's exit code (0 when it finished).
@@ -658,8 +662,17 @@ def run_foreground(
         "max_restarts": max_restarts,
         "elastic": True,
         "env": {},
+        "placement": placement,
     }
-    Job(list(script_argv), pipeline=pipeline, data=data, run_dir=run_dir, hostfile=None, timeout_s=timeout_s)
+    Job(
+        list(script_argv),
+        pipeline=pipeline,
+        data=data,
+        run_dir=run_dir,
+        hostfile=None,
+        timeout_s=timeout_s,
+        placement=placement,
+    )
     hostfile_hosts(hostfile)  # a ConfigError naming the bad line, before anything starts
     write_json_atomic(run_dir / AGENT_DIR / SPEC, spec)
     agent = Agent(run_dir, spec, stdout=sys.stdout)

@@ -21,6 +21,7 @@ from varuna.elastic.reshape import choose_shape, read_engine_info
 from varuna.errors import ConfigError
 from varuna.launch.hostfile import hostfile_slots
 from varuna.launch.job import run_job
+from varuna.planner.cluster import Placement
 
 __all__ = ["run_elastic", "hostfile_slots", "next_shape", "USER_STOP"]
 
@@ -51,8 +52,10 @@ def run_elastic(
     hostfile: Path | None = None,
     max_restarts: int = 3,
     timeout_s: float | None = None,
+    placement: Placement = "block",
 ) -> int:
-    """Run the job, relaunching it after morphs and (up to `max_restarts`) crashes; its final exit code."""
+    """Run the job, relaunching it after morphs and (up to `max_restarts`) crashes, every launch in
+    `placement`; its final exit code."""
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     if run_dir is None:
@@ -70,6 +73,7 @@ def run_elastic(
             hostfile=hostfile,
             extra_env={"VARUNA_RESUME": "latest", "VARUNA_LAUNCH": str(launches)},
             timeout_s=timeout_s,
+            placement=placement,
         )
         if code == 0 or code in USER_STOP or code == 124:
             return code

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from varuna.errors import ConfigError
 
-__all__ = ["hostfile_slots", "hostfile_hosts"]
+__all__ = ["hostfile_slots", "hostfile_hosts", "filled_hosts"]
 
 _FORMS = "`host`, `host:N` or `host slots=N` with N a positive integer"
 
@@ -64,3 +64,17 @@ def hostfile_hosts(hostfile: Path) -> dict[str, int]:
 def hostfile_slots(hostfile: Path) -> int:
     """Total slots of an MPI hostfile; a ConfigError naming the file and line when it cannot be read."""
     return sum(hostfile_hosts(hostfile).values())
+
+
+def filled_hosts(hostfile: Path, ranks: int) -> dict[str, int]:
+    """The hosts `ranks` ranks fill when mpiexec fills the slots in file order (every host when the
+    ranks outnumber the slots), with their slots: the hosts of a job, in either placement.
+
+        h1:2 h2:2 h3:2, 4 ranks  ->  {"h1": 2, "h2": 2}
+    """
+    filled: dict[str, int] = {}
+    for host, slots in hostfile_hosts(hostfile).items():
+        if sum(filled.values()) >= ranks:
+            break
+        filled[host] = slots
+    return filled

@@ -10,6 +10,18 @@ Hydra (MPICH) starts every rank in a session of its own, so the job's processes 
 ``VARUNA_JOB_ID`` they inherit rather than by process group; a pid read from a status file is used
 only while the process still matches it (host, start time: `varuna.launch.pids`). ``varuna run`` and the notebook
 controller both come through here.
+
+Where the ranks go is the placement (`varuna.planner.cluster.Cluster.placement`, the planner's
+choice): "block" fills the hosts in rank order, "cyclic" deals the ranks to the hosts in turn (rank r
+on host r mod H). With a hostfile ``h2:2`` ``h3:2``::
+
+    rank      0   1   2   3
+    block     h2  h2  h3  h3     mpiexec -f hosts                 (the launchers' default)
+    cyclic    h2  h3  h2  h3     hydra: -f hosts -ppn 1; Open MPI: --map-by node; srun: --distribution=cyclic
+
+Cyclic deals to the hosts that block would fill (the first hosts whose slots hold the ranks), never
+to a spare host further down the hostfile, so both place the job on the same H hosts as the planner
+priced it.
 """
 
 from __future__ import annotations
@@ -33,14 +45,15 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import IO, Any, Literal, TextIO
 
-from varuna._files import write_json_atomic
+from varuna._files import write_atomic, write_json_atomic
 from varuna.comm.rendezvous import check_mpi4py
 from varuna.errors import ConfigError, LaunchError, check_int
 from varuna.launch.exits import MORPH_EXIT
-from varuna.launch.hostfile import hostfile_slots
+from varuna.launch.hostfile import filled_hosts, hostfile_hosts, hostfile_slots
 from varuna.launch.pids import check_status, job_processes, pid_alive, terminate
 from varuna.launch.postmortem import read_reports, show_stacks, shown, summarise
 from varuna.launch.slurm import check_fits, launch_allocation, signal_step, srun_command
+from varuna.planner.cluster import PLACEMENTS, Placement
 from varuna.telemetry.straggler_watch import StragglerWatch, watch_config
 
 __all__ = [
@@ -50,6 +63,8 @@ __all__ = [
     "find_mpiexec",
     "launcher_args",
     "mpi_flavor",
+    "check_placement",
+    "CYCLIC_HOSTFILE",
     "read_reports",
     "summarise",
     "SECRET_ENV",
@@ -60,6 +75,19 @@ State = Literal["before", "running", "after"]
 _ROOT_ENV = [f"{p}_ALLOW_RUN_AS_ROOT{s}" for p in ("OMPI", "PRTE") for s in ("", "_CONFIRM")]
 SECRET_ENV = frozenset({"VARUNA_EVENTS_KEY"})
 """Variables whose values never go on a command line (any user can read /proc/*/cmdline)."""
+CYCLIC_HOSTFILE = "hostfile-cyclic"
+"""The hosts a cyclic launch deals its ranks to, one per line, relative to the run directory; written
+only when the hostfile names more hosts than the ranks fill (see the module docstring)."""
+
+
+def check_placement(placement: object) -> Placement:
+    """`placement` if it is one of `PLACEMENTS`, else a ConfigError naming it and the choices."""
+    if placement not in PLACEMENTS:
+        raise ConfigError(
+            f"--placement {placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}: 'block' fills the "
+            "hosts in rank order, 'cyclic' deals the ranks to the hosts in turn (`varuna plan` says which)"
+        )
+    return placement  # type: ignore[return-value]
 
 
 def find_mpiexec() -> Path:
@@ -114,6 +142,7 @@ def mpiexec_command(
     hostfile: Path | None,
     env: dict[str, str],
     secret: frozenset[str] = SECRET_ENV,
+    placement: Placement = "block",
 ) -> list[str]:
     """The ``mpiexec`` command line that starts ``argv`` on ``n`` ranks with ``env`` forwarded.
 
@@ -122,17 +151,25 @@ def mpiexec_command(
     ``-genvlist NAME``): their values must be in mpiexec's own environment, which only its owner
     can read. Open MPI gets ``--oversubscribe`` (more ranks than cores). ``VARUNA_MPIEXEC_ARGS``
     (`launcher_args`) go first, e.g. the launcher that reaches the other hosts.
+
+    ``placement="cyclic"`` with a hostfile deals the ranks to its hosts in turn: hydra's ``-ppn 1``
+    counts every host as one slot, so it hands out one rank per host and wraps around, as it does
+    for a hostfile of ``host:1`` lines; Open MPI's ``--map-by node`` is that round robin. Without a
+    hostfile the ranks share one host and the placement changes nothing.
     """
+    cyclic = check_placement(placement) == "cyclic" and hostfile is not None
     exe = str(find_mpiexec())
     cmd = [exe, *launcher_args(), "-n", str(n)]
     hidden = [key for key in env if key in secret]
     if mpi_flavor(exe) == "openmpi":
         cmd.append("--oversubscribe")
+        cmd += ["--map-by", "node"] if cyclic else []
         cmd += ["--hostfile", str(hostfile)] if hostfile else []
         for key, value in env.items():
             cmd += ["-x", key if key in secret else f"{key}={value}"]
     else:
         cmd += ["-f", str(hostfile)] if hostfile else []
+        cmd += ["-ppn", "1"] if cyclic else []
         for key, value in env.items():
             cmd += [] if key in secret else ["-genv", key, value]
         cmd += ["-genvlist", ",".join(hidden)] if hidden else []
@@ -184,10 +221,12 @@ class Job:
         extra_env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         grace_s: float = 10.0,
+        placement: Placement = "block",
         stdout: TextIO | io.TextIOBase | None = None,
         stderr: TextIO | io.TextIOBase | None = None,
     ):
         _validate(script_argv, pipeline, data, hostfile)
+        self.placement = check_placement(placement)
         if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds (got {timeout_s})")
         self.script_argv, self.pipeline, self.data = list(script_argv), pipeline, data
@@ -242,14 +281,16 @@ class Job:
         worker = [sys.executable, "-m", "varuna.launch.worker", *self.script_argv]
         if self.slurm is not None:
             env["VARUNA_LAUNCHER"] = "srun"  # the ranks meet through the run dir (varuna.comm.rendezvous)
-            cmd = srun_command(self.world, worker)
+            cmd = srun_command(self.world, worker, placement=self.placement)
         else:
             check_mpi4py()  # every rank would fail on it; say so once, before starting them
-            cmd = mpiexec_command(self.world, worker, hostfile=self.hostfile, env=env)
+            hosts = self._launch_hostfile()
+            cmd = mpiexec_command(self.world, worker, hostfile=hosts, env=env, placement=self.placement)
         full_env = {**os.environ, **env}  # secrets reach mpiexec here, never on `cmd` or in job.json
         if self.slurm is None and mpi_flavor(cmd[0]) == "openmpi" and os.geteuid() == 0:
             full_env.update(dict.fromkeys(_ROOT_ENV, "1"))
         self._meta = {"argv": self.script_argv, "pipeline": self.pipeline, "data": self.data}
+        self._meta["placement"] = self.placement
         if self.slurm is not None:
             self._meta |= {"launcher": "srun", "slurm": self.slurm.to_json()}
         self._meta |= {"world": self.world, "start": time.time(), "command": cmd, "job_id": self.job_id}
@@ -258,6 +299,8 @@ class Job:
         self._console = open(self.run_dir / "logs" / "console.log", "ab")  # noqa: SIM115
         shape = f"pipeline {self.pipeline} x data {self.data}"
         where = f", srun in {self.slurm.describe()}" if self.slurm is not None else ""
+        if self.placement == "cyclic":
+            where += ", ranks dealt to the hosts in turn (--placement cyclic)"
         print(f"varuna: {self.world} ranks ({shape}), run dir {shown(self.run_dir)}{where}", file=self.err)
         self.err.flush()
         self._proc = subprocess.Popen(
@@ -280,6 +323,17 @@ class Job:
             self.stragglers = StragglerWatch(
                 self.run_dir, self.job_id, self.err, self._straggler_config
             ).start()
+
+    def _launch_hostfile(self) -> Path | None:
+        """The hostfile mpiexec gets: the job's, or for a cyclic job whose hostfile names spare hosts,
+        `CYCLIC_HOSTFILE` with only the hosts the ranks fill (hydra's ``-ppn 1`` and Open MPI's
+        ``--map-by node`` would deal ranks to every host named)."""
+        if self.placement != "cyclic" or self.hostfile is None:
+            return self.hostfile
+        filled = filled_hosts(self.hostfile, self.world)
+        if len(filled) == len(hostfile_hosts(self.hostfile)):
+            return self.hostfile
+        return write_atomic(self.run_dir / CYCLIC_HOSTFILE, "".join(f"{host}\n" for host in filled).encode())
 
     def _pump(self, pipe: IO[bytes] | None, target: TextIO) -> None:
         """Copy mpiexec's output through as it comes (``\\r`` progress bars too) and keep a tail."""
@@ -458,6 +512,7 @@ def run_job(
     extra_env: dict[str, str] | None = None,
     timeout_s: float | None = None,
     grace_s: float = 10.0,
+    placement: Placement = "block",
 ) -> int:
     """Run a job to the end in the foreground and return its exit code.
 
@@ -474,6 +529,7 @@ def run_job(
         extra_env=extra_env,
         timeout_s=timeout_s,
         grace_s=grace_s,
+        placement=placement,
     )
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}

@@ -13,6 +13,8 @@ starts its P x D ranks as one job step::
 - ``--mpi=none``: the ranks meet through the run directory, not MPI (`varuna.comm.rendezvous`), so no
   PMI plugin or MPI build has to match the cluster's.
 - ``--kill-on-bad-exit``: a failing rank takes the step down at once, as mpiexec does.
+- ``varuna run --placement cyclic`` adds ``--distribution=cyclic``: srun deals the tasks to the step's
+  nodes in turn, the planner's "cyclic" placement (the default, block, fills one node's slots first).
 - A stop (Ctrl-C, SIGTERM, ``--timeout``) reaches every task through ``scancel --signal`` (`signal_step`),
   so the ranks checkpoint on SIGTERM as under mpiexec; srun itself would turn SIGTERM into SIGKILL.
 - ``VARUNA_LAUNCHER=mpiexec`` keeps mpiexec inside an allocation, ``VARUNA_LAUNCHER=srun`` insists on
@@ -35,6 +37,7 @@ from typing import Any
 
 from varuna._slurm import HostlistError, expand_hostlist, expand_tasks_per_node
 from varuna.errors import ConfigError, LaunchError
+from varuna.planner.cluster import Placement
 
 __all__ = [
     "Allocation",
@@ -157,11 +160,15 @@ def _srun_args(env: Mapping[str, str]) -> list[str]:
         ) from None
 
 
-def srun_command(n: int, argv: list[str], env: Mapping[str, str] | None = None) -> list[str]:
+def srun_command(
+    n: int, argv: list[str], env: Mapping[str, str] | None = None, *, placement: Placement = "block"
+) -> list[str]:
     """The ``srun`` command line that starts `argv` as `n` tasks of one step; the environment goes
-    through srun's own (``--export=ALL``), so no value (secrets included) is on the command line."""
+    through srun's own (``--export=ALL``), so no value (secrets included) is on the command line.
+    ``placement="cyclic"`` deals the tasks to the nodes in turn (``--distribution=cyclic``)."""
     env = os.environ if env is None else env
     flags = ["--kill-on-bad-exit=1", "--mpi=none", "--export=ALL", "--unbuffered"]
+    flags += ["--distribution=cyclic"] if placement == "cyclic" else []
     return [find_srun(env), *_srun_args(env), f"--ntasks={n}", *flags, *argv]
 
 

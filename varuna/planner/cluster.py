@@ -63,10 +63,11 @@ class Cluster:
     """How ranks sit on hosts. "block": hosts filled in rank order, `gpus_per_host` consecutive
     ranks each (what a launcher does with a hostfile of `host:slots` lines): a pipeline of P <=
     `gpus_per_host` stages stays inside a host and its replicas spread over hosts, so the stages'
-    all-reduces cross the network. "cyclic": rank r on host r mod H (a hostfile of one slot per
-    host, dealt in turn): a replica's neighbouring stages sit on different hosts and, with H
-    dividing P, each stage's replicas share a host, so activations cross the network and
-    all-reduces do not. `varuna.planner.search.plan` tries both where the GPUs span hosts."""
+    all-reduces cross the network. "cyclic": rank r on host r mod H (`varuna run --placement
+    cyclic`, or a hostfile of one slot per host, dealt in turn): a replica's neighbouring stages
+    sit on different hosts and, with H dividing P, each stage's replicas share a host, so
+    activations cross the network and all-reduces do not. `varuna.planner.search.plan` tries both
+    where the GPUs span hosts."""
     shared_cores: bool = False
     """Whether the hosts share one machine's cores (namespace hosts on one machine, as the tests and
     the network bench make them): then the busy stages of every replica slow each other down (a CPU
