@@ -20,6 +20,8 @@ The last line of stdout is the report.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +32,8 @@ from varuna.telemetry.events import read_events
 
 SCRIPT = str(Path(__file__).parent / "controller_train.py")
 SETTLE = 3.0
+EVERY = 4
+"""Steps between background checkpoints (`checkpoint_every`)."""
 
 
 def wait_for(predicate, timeout: float, every: float = 0.05) -> bool:
@@ -99,6 +103,39 @@ class Driver:
             }
         )
 
+    def hello(self, job_id: str, rank: int = 0) -> dict:
+        return next(e for e in self.ctl.store.events("hello", job=job_id) if e["rank"] == rank)
+
+    def kill_during_write(self) -> None:
+        """SIGKILL h3's ranks while a background checkpoint's data writes are held (none committed)."""
+        root, hold = self.run_dir / "checkpoints", Path(os.environ["TRAIN_HOLD_WRITES"])
+        latest = root / "latest"
+        before = latest.read_text().strip() if latest.exists() else None
+        hold.touch()
+        try:
+
+            def writing() -> list[str]:
+                return [p.name for p in root.glob(".step-*.tmp") if p.is_dir()]
+
+            if not wait_for(lambda: bool(writing()), 30):
+                self.fail(f"kill: no background write began within 30 s (checkpoint_every={EVERY})")
+            time.sleep(0.5)  # every rank is in its held write now
+            job = self.ctl.job
+            assert job is not None
+            pids = [e["pid"] for e in self.ctl.store.events("hello", job=job.job_id) if e["host"] == "h3"]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            self.report["kill"] = {
+                "writing": writing(),
+                "latest_before": before,
+                "killed": len(pids),
+                "job": job.job_id,
+            }
+        finally:
+            hold.unlink()
+        wait_for(lambda: self.ctl.job is None or self.ctl.job.job_id != job.job_id, 60, every=0.1)
+        self.report["kill"]["latest_after"] = latest.read_text().strip() if latest.exists() else None
+
     def trained(self, job_id: str) -> bool:
         """Whether rank 0 of launch `job_id` has finished a step (its step_metrics in the event log)."""
         return any(
@@ -124,7 +161,7 @@ class Driver:
             [e.get("exit_code"), e.get("state")] for e in notes if e["type"] == "job_end"
         ]
         self.report["steps"] = [
-            [e["step"], e["loss"]]
+            [e["job"], e["step"], e["loss"]]
             for e in read_events(self.run_dir)
             if e["type"] == "step_metrics" and e["rank"] == 0
         ]
@@ -164,6 +201,13 @@ class Driver:
         time.sleep(1.0)
         varuna("hosts", run, "add", "h3:2")
         self.launch("returned")
+        self.kill_during_write()
+        self.launch("killed")
+        self.report["kill"]["resumed_from"] = self.hello(self.report["launches"][-1]["job"])["resumed_from"]
+        varuna("hosts", run, "remove", "h3")  # the source drops the dead host, then offers it again
+        time.sleep(1.0)
+        varuna("hosts", run, "add", "h3:2")
+        self.launch("back")
         # an announced removal: shrink at the end of the step
         varuna("hosts", run, "remove", "h3")
         self.launch("removed")
