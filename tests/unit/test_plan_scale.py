@@ -345,6 +345,12 @@ def test_cyclic_placement_deals_ranks_to_hosts_in_turn() -> None:
     assert not block.crosses(0) and cyclic.crosses(0)
     assert block.stage_allreduce(0, 2**24) > 10 * cyclic.stage_allreduce(0, 2**24)
     assert cyclic.p2p(0, 2**20) == pytest.approx(20e-6 + 2**20 / 1e6)
+    # both replicas' stage 0 sit on the first host and send to the second at once: they share its link
+    assert cyclic.sharing(0) == 2 and cyclic.p2p_busy(0, 2**20) == pytest.approx(2 * cyclic.p2p(0, 2**20))
+    four = Links(net, Cluster(gpus_per_host=2, inter_bandwidth_Bps=1e6), 4, 1)  # 4x1 block: one crossing
+    assert [four.crosses(b) for b in range(3)] == [False, True, False]
+    assert four.sharing(1) == 1 and four.p2p_busy(1, 2**20) == four.p2p(1, 2**20)
+    assert four.p2p_busy(0, 2**20) == four.p2p(0, 2**20)  # inside a host: the profile's, unshared
     with pytest.raises(PlanError, match=r"placement = 'round-robin': use one of \('block', 'cyclic'\)"):
         Cluster(gpus_per_host=2, placement="round-robin")  # type: ignore[arg-type]
 

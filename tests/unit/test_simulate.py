@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from varuna.errors import ScheduleError
-from varuna.planner.simulator import Sharing, Span, StageCost, simulate
-from varuna.schedule import pull_ahead_room
+from varuna.planner.simulator import Sharing, Span, StageCost, simulate, simulate_lowered
+from varuna.schedule import build_schedule, pull_ahead_room
 
 U = StageCost(forward_s=1.0, backward_s=2.0)
 
@@ -77,6 +77,25 @@ def test_back_to_back_sends_queue_on_the_link() -> None:
     t = simulate("gpipe", 2, 2, [fast, fast], comm=[2.0])
     # F1's activation waits for F0's transfer (arrives 3), then takes 2 more
     assert t.spans[1][2] == Span("RECV_F", 1, 4.0, 5.0)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_link_shared_with_other_replicas_stays_busy_longer_than_one_transfer(in_order: bool) -> None:
+    """`link_busy`: another replica's transfer shares the link, so each transfer keeps it busy 4 s
+    though it takes 2: the first activation still arrives at 3, the second starts when the link is
+    free (5) and arrives at 7."""
+    fast = StageCost(forward_s=1.0, backward_s=1.0)
+    schedule = build_schedule("gpipe", 2, 2)
+    t = simulate_lowered(schedule, [fast, fast], comm=[2.0], link_busy=[4.0], in_order=in_order)
+    assert t.spans[1][0] == Span("RECV_F", 0, 0.0, 3.0)
+    assert t.spans[1][2] == Span("RECV_F", 1, 4.0, 7.0)
+    alone = simulate_lowered(schedule, [fast, fast], comm=[2.0], in_order=in_order)
+    assert alone.step_s < t.step_s
+    assert simulate_lowered(schedule, [fast, fast], comm=[2.0], link_busy=[2.0]).step_s == alone.step_s
+    with pytest.raises(
+        ScheduleError, match=r"link_busy = \[1.0\]: each boundary's must be at least its comm"
+    ):
+        simulate_lowered(schedule, [fast, fast], comm=[2.0], link_busy=[1.0])
 
 
 def test_message_costs_occupy_the_stages_and_delay_the_activation() -> None:

@@ -7,7 +7,10 @@ rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks ea
 
 - Point-to-point between stages s and s+1: intra-host as profiled, unless some replica has those
   two stages on different hosts; then `inter_latency_s` + bytes / `inter_bandwidth_Bps` (the
-  slowest replica sets the step, so the boundary is charged as its slowest crossing).
+  slowest replica sets the step, so the boundary is charged as its slowest crossing). Where k
+  replicas send across the boundary from one host, their transfers share that host's link: each
+  keeps it busy k times as long (`p2p_busy`), so a saturated link carries all k replicas' bytes
+  while one transfer on a link that is otherwise free still takes its own time.
 - All-reduce of a group (a stage's D replicas, the tied weights' 2D ranks, the per-step one over
   everyone): within one host the profile's measurement (`NetworkCost.allreduce_time`). Across H
   hosts with at most k of its ranks on one host, a ring: 2(n-1)/n x bytes over the slowest link
@@ -164,6 +167,23 @@ class Links:
             return self.net.p2p_time(nbytes)
         assert self.cluster is not None
         return self.cluster.inter_latency_s + nbytes / self.cluster.inter_bandwidth_Bps
+
+    def p2p_busy(self, boundary: int, nbytes: int, to: int | None = None) -> float:
+        """Seconds one transfer across the boundary keeps its link busy (the simulator's
+        `link_busy`): `p2p`, times the replicas that share the link where it crosses hosts."""
+        seconds = self.p2p(boundary, nbytes, to)
+        return seconds * max(1, self.sharing(boundary, to)) if self.crosses(boundary, to) else seconds
+
+    def sharing(self, boundary: int, to: int | None = None) -> int:
+        """The most replicas whose transfer from position `boundary` to `to` (default `boundary` + 1)
+        leaves one host for another at once (they share that host's link; 0 if none crosses)."""
+        p, b = self.pipeline, boundary + 1 if to is None else to
+        senders: dict[int, int] = {}
+        for r in range(self.data):
+            src, dst = self._host(r * p + boundary), self._host(r * p + b)
+            if src != dst:
+                senders[src] = senders.get(src, 0) + 1
+        return max(senders.values(), default=0)
 
     def allreduce(self, nbytes: int, ranks: list[int]) -> float:
         """Seconds of an all-reduce of `nbytes` over `ranks` (all such groups reducing at once)."""

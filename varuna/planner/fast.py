@@ -91,10 +91,12 @@ def run_in_order(
     comm: Sequence[float],
     allreduce: Sequence[float],
     messages: Mapping[str, float],
+    link_busy: Sequence[float] | None = None,
 ) -> list[list[Span]]:
     """The spans `_Simulation.run` gives for `schedule` without pull-ahead, shared cores or
     delivery delays by busy count (see the module docstring)."""
     num = len(schedule)
+    busy = comm if link_busy is None else link_busy
     queues: list[list[Action]] = [schedule[s] for s in range(num)]
     work = []
     for s, c in enumerate(costs):
@@ -147,8 +149,8 @@ def run_in_order(
                     to, boundary = (s + 1, s) if forward else (s - 1, s - 1)
                     link = (kind, boundary)
                     start = max(end, link_free.get(link, 0.0))
-                    link_free[link] = start + comm[boundary]
-                    arrival[(kind[-1], to, m)] = link_free[link] + (delay_f if forward else delay_b)
+                    link_free[link] = start + busy[boundary]
+                    arrival[(kind[-1], to, m)] = start + comm[boundary] + (delay_f if forward else delay_b)
                 out.append(new(Span, (kind, a.microbatch, t, end, None)))
                 t = end
                 i += 1

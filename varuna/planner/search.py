@@ -349,6 +349,9 @@ class _Shape:
         net = table.network
         links = Links(net, cluster, pipeline, data)
         self.comm = [links.p2p(s, segs[r[-1]].activation_bytes[mbs]) for s, r in enumerate(stages[:-1])]
+        self.link_busy = [
+            links.p2p_busy(s, segs[r[-1]].activation_bytes[mbs]) for s, r in enumerate(stages[:-1])
+        ]
         self.reduce = [
             links.stage_allreduce(s, sum(segs[j].grad_bytes for j in r)) for s, r in enumerate(stages)
         ]
@@ -392,6 +395,7 @@ class _Shape:
             lowered(schedule, self.pipeline, microbatches, recompute=recompute, split=split_backward),
             self.costs,
             comm=self.comm,
+            link_busy=self.link_busy,
             allreduce_s=self.reduce,
             final_allreduce_s=self.final,
             update_s=self.update,

@@ -89,11 +89,14 @@ def simulate(
     recompute: bool | None = None,
     opportunistic: bool | None = None,
     split_backward: bool = False,
+    link_busy: Sequence[float] | None = None,
 ) -> Timeline:
     """Time one step of `schedule_name` on P stages with M micro-batches.
 
     `stage_costs[s]` is stage s's per-micro-batch cost; `comm[s]` the seconds to move an activation
     (or its gradient) across the boundary between stages s and s+1 (P-1 values, default 0);
+    `link_busy[s]` the seconds each such transfer keeps the boundary's link busy (default `comm`:
+    more where other replicas' transfers share the link, so that the next one waits longer);
     `allreduce_s[s]` stage s's gradient all-reduce (default 0); `update_s[s]` its parameter update
     after the final all-reduce (default 0); `sharing` makes busy stages slow each other down (see
     the module docstring); `message_s` maps SEND_F, RECV_F, SEND_B, RECV_B to the seconds the
@@ -128,6 +131,7 @@ def simulate(
         sharing=sharing,
         message_s=message_s,
         sees_arrivals=sees_arrivals,
+        link_busy=link_busy,
         opportunistic=spec.pull_ahead if opportunistic is None else opportunistic,
         name=schedule_name,
         num_microbatches=num_microbatches,
@@ -149,6 +153,7 @@ def simulate_lowered(
     name: str = "custom",
     num_microbatches: int | None = None,
     in_order: bool = True,
+    link_busy: Sequence[float] | None = None,
 ) -> Timeline:
     """Time any lowered schedule (as `varuna.schedule.lower` makes); see `simulate`. With several
     chunks per rank, `stage_costs` and `comm` are per virtual stage and boundary (a boundary between
@@ -163,6 +168,13 @@ def simulate_lowered(
             f"stage_costs has {len(stage_costs)} entries but the schedule has {virtual} stages"
         )
     comm_s = _per_stage(comm, virtual - 1, "comm seconds per boundary")
+    busy_s = (
+        comm_s if link_busy is None else _per_stage(link_busy, virtual - 1, "link_busy seconds per boundary")
+    )
+    if any(b < c for b, c in zip(busy_s, comm_s, strict=True)):
+        raise ScheduleError(
+            f"link_busy = {busy_s}: each boundary's must be at least its comm seconds {comm_s}"
+        )
     reduce_s = _per_stage(allreduce_s, num_stages, "allreduce_s per stage")
     updates = _per_stage(update_s, num_stages, "update_s per stage")
     messages = dict(message_s or {})
@@ -191,11 +203,20 @@ def simulate_lowered(
     previous_delays: list[float] | None = None
     chunked = several_chunks(schedule)  # the event simulation then (run_in_order: a stage per rank)
     if in_order and not opportunistic and not shared and delay is None and not chunked:  # by stage
-        spans = run_in_order(schedule, stage_costs, comm_s, reduce_s, messages)
+        spans = run_in_order(schedule, stage_costs, comm_s, reduce_s, messages, busy_s)
         return _timeline(schedule, spans, name, num_microbatches, final_allreduce_s, updates)
     for _ in range(_MAX_PASSES if shared else 1):
         sim = _Simulation(
-            schedule, stage_costs, comm_s, reduce_s, opportunistic, durations, messages, sees_arrivals, delay
+            schedule,
+            stage_costs,
+            comm_s,
+            reduce_s,
+            opportunistic,
+            durations,
+            messages,
+            sees_arrivals,
+            delay,
+            busy_s,
         )
         sim.run()
         moved = False
@@ -276,6 +297,7 @@ class _Simulation:
         messages: Mapping[str, float] | None = None,
         sees_arrivals: bool = True,
         delay: Delays | None = None,
+        link_busy: list[float] | None = None,
     ) -> None:
         self.messages = messages or {}
         self.delay = delay
@@ -284,6 +306,7 @@ class _Simulation:
         self.costs = costs
         self.durations = durations or {}
         self.comm = comm
+        self.link_busy = comm if link_busy is None else link_busy
         self.allreduce = allreduce
         self.opportunistic = opportunistic
         self.clock = [0.0] * len(schedule)
@@ -404,12 +427,12 @@ class _Simulation:
             to, boundary = (v + 1, v) if a.kind == "SEND_F" else (v - 1, v - 1)
             link = (a.kind, boundary)
             start = max(end, self.link_free.get(link, 0.0))
-            self.link_free[link] = start + self.comm[boundary]
+            self.link_free[link] = start + self.link_busy[boundary]
             if self.delay is not None:
                 extra = self.delay(a.kind[-1], s, start)
             else:
                 extra = self.messages.get("DELAY" + a.kind[-2:], 0.0)
-            self.arrival[(a.kind[-1], to, m)] = self.link_free[link] + extra
+            self.arrival[(a.kind[-1], to, m)] = start + self.comm[boundary] + extra
         stage = v if self.chunked and a.kind != "ALLREDUCE" else None
         self.spans[s].append(tuple.__new__(Span, (a.kind, a.microbatch, t, end, stage)))  # a Span, quicker
         self.clock[s] = end
