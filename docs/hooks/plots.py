@@ -88,6 +88,10 @@ SCHEMAS: dict[str, Any] = {
         "unit": str,
         "runs": [{"run": str, "ideal": NUMBER, "goodput": {str: NUMBER}}],
     },
+    "checkpoint": {
+        "unit": str,
+        "runs": [{"run": str, "step_ms": {str: NUMBER}}],
+    },
     "planner-scale": {
         "rows": [
             {
@@ -424,28 +428,51 @@ def draw_network_throughput(found: list[Result]) -> Any:
     return fig
 
 
+def _grouped_bars(ax: Any, runs: list[dict[str, Any]], field: str) -> None:
+    """One group of bars per run, one bar per key of the runs' `field` dicts (in the order first
+    seen, the same colour in every group), the runs' names under the groups."""
+    keys = _ordered([list(run[field]) for run in runs])
+    colors = _colors(keys)
+    width = 0.8 / len(keys)
+    for i, run in enumerate(runs):
+        for j, key in enumerate(keys):
+            value = run[field].get(key)
+            if value is not None:
+                x = i + (j - (len(keys) - 1) / 2) * width
+                ax.bar(x, value, width * 0.9, color=colors[key], label=key if i == 0 else None)
+    ax.set_xticks(range(len(runs)), [run["run"] for run in runs])
+
+
 def draw_spot_goodput(found: list[Result]) -> Any:
     """Each run of the spot bench: the goodput of the elastic job and of the baselines beside the
     ideal of the trace (dashed), samples/s."""
     from matplotlib.figure import Figure
 
     runs = [run for r in found for run in r.data["runs"]]
-    policies = _ordered([list(run["goodput"]) for run in runs])
-    colors = _colors(policies)
     fig = Figure(figsize=(8, 3.6))
     ax = fig.subplots()
-    width = 0.8 / len(policies)
+    _grouped_bars(ax, runs, "goodput")
     for i, run in enumerate(runs):
-        for j, policy in enumerate(policies):
-            value = run["goodput"].get(policy)
-            if value is not None:
-                x = i + (j - (len(policies) - 1) / 2) * width
-                ax.bar(x, value, width * 0.9, color=colors[policy], label=policy if i == 0 else None)
         ax.hlines(run["ideal"], i - 0.45, i + 0.45, colors="0.3", linestyles="--", lw=1)
-    ax.set_xticks(range(len(runs)), [run["run"] for run in runs])
     ax.set_ylabel(f"goodput ({found[-1].data['unit']})")
     ax.set_title("goodput over the trace; dashed: the ideal")
     ax.legend(fontsize=8, loc="lower right")
+    return fig
+
+
+def draw_checkpoint_cost(found: list[Result]) -> Any:
+    """Each run of the checkpoint bench: the mean step with no checkpoint, background ones and
+    blocking ones (the checkpoint call included), milliseconds."""
+    from matplotlib.figure import Figure
+
+    runs = [run for r in found for run in r.data["runs"]]
+    fig = Figure(figsize=(8, 3.4))
+    ax = fig.subplots()
+    _grouped_bars(ax, runs, "step_ms")
+    ax.set_ylim(0, 1.25 * max(v for run in runs for v in run["step_ms"].values()))
+    ax.set_ylabel(f"mean step ({found[-1].data['unit']})")
+    ax.set_title("one rank's step with a checkpoint every 5 steps")
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
     return fig
 
 
@@ -487,6 +514,12 @@ PLOTS: dict[str, Plot] = {
         draw_spot_goodput,
         "Goodput of the elastic job, of restart-only and of a static job over the same trace, each run "
         "beside the trace's ideal (dashed).",
+    ),
+    "checkpoint-cost": Plot(
+        "checkpoint",
+        draw_checkpoint_cost,
+        "One rank's mean step (the checkpoint call included) without checkpoints, with background ones "
+        "and with blocking ones, a checkpoint every 5 steps, each run.",
     ),
     "network-throughput": Plot(
         "network",
