@@ -8,7 +8,9 @@ here, as root, for this module; `slurm_cluster.SlurmCluster`).
 - A rank that fails takes the step down (srun --kill-on-bad-exit) and is named first; a SIGTERM to
   `varuna run` reaches the ranks (scancel), which checkpoint before they stop.
 - Two nodes: a Slurm of three namespace hosts (`varuna.bench.netns`, a slurmd in each): a 2-node allocation runs
-  one stage per node, its ranks meet over the hosts' subnet, and the losses equal plain training.
+  one stage per node, its ranks meet over the hosts' subnet, and the losses equal plain training; the
+  elastic agent's Slurm host source (`varuna.elastic.hostset.SlurmSource`) reads a live allocation's nodes
+  and tasks per node as `scontrol` gives them.
 """
 
 from __future__ import annotations
@@ -319,6 +321,36 @@ def test_multihost_slurm_two_node_allocation_runs_a_stage_per_node(
     torch.testing.assert_close(
         torch.tensor([r["loss"] for r in records]), torch.tensor(ref_losses), rtol=1e-5, atol=0
     )
+
+
+def test_multihost_slurm_host_source_reads_the_allocation_it_runs_in(
+    slurm_hosts: SlurmCluster, hosts: NetnsHosts
+) -> None:
+    """`watch_hosts="slurm"`'s source inside a real 2-node allocation of 2 tasks per node: each node
+    once, with its task slots; outside an allocation a typed error says what it needs."""
+    read = "import json; from varuna.elastic.hostset import SlurmSource as S; print(json.dumps(S().read()))"
+    done = subprocess.run(
+        slurm_hosts.client(["salloc", "--nodes=2", "--ntasks-per-node=2", "--", sys.executable, "-c", read]),
+        env=_env(slurm_hosts),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    offered = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"the allocation as its host source reads it: {offered}")
+    assert len(offered) == 2 and set(offered) <= set(hosts.names) and set(offered.values()) == {2}, offered
+    env = {k: v for k, v in _env(slurm_hosts).items() if k != "SLURM_JOB_ID"}
+    outside = subprocess.run(
+        [sys.executable, "-c", read],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert outside.returncode != 0 and "host source 'slurm' needs a Slurm allocation" in outside.stderr
 
 
 def test_multihost_slurm_hostlists_read_as_scontrol_reads_them(slurm: SlurmCluster) -> None:
