@@ -155,10 +155,7 @@ class Links:
     def crosses(self, boundary: int, to: int | None = None) -> bool:
         """Whether some replica has pipeline positions `boundary` and `to` (default `boundary` + 1)
         on different hosts."""
-        if self.cluster is None:
-            return False
-        p, b = self.pipeline, boundary + 1 if to is None else to
-        return any(self._host(r * p + boundary) != self._host(r * p + b) for r in range(self.data))
+        return self.sharing(boundary, to) > 0
 
     def p2p(self, boundary: int, nbytes: int, to: int | None = None) -> float:
         """Seconds to move `nbytes` across stage boundary `boundary`, or from position `boundary` to
@@ -171,12 +168,14 @@ class Links:
     def p2p_busy(self, boundary: int, nbytes: int, to: int | None = None) -> float:
         """Seconds one transfer across the boundary keeps its link busy (the simulator's
         `link_busy`): `p2p`, times the replicas that share the link where it crosses hosts."""
-        seconds = self.p2p(boundary, nbytes, to)
-        return seconds * max(1, self.sharing(boundary, to)) if self.crosses(boundary, to) else seconds
+        return self.p2p(boundary, nbytes, to) * max(1, self.sharing(boundary, to))
 
     def sharing(self, boundary: int, to: int | None = None) -> int:
         """The most replicas whose transfer from position `boundary` to `to` (default `boundary` + 1)
-        leaves one host for another at once (they share that host's link; 0 if none crosses)."""
+        leaves one host for another at once (they share that host's link; 0 if none crosses, as on
+        one host)."""
+        if self.cluster is None:
+            return 0
         p, b = self.pipeline, boundary + 1 if to is None else to
         senders: dict[int, int] = {}
         for r in range(self.data):
