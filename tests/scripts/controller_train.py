@@ -6,7 +6,8 @@ It resumes from VARUNA_RESUME (set by the controller on relaunch) and has no sig
 own: checkpoints, stops and morphs all come through the engine. Two settings for the spot test, from
 the environment: TRAIN_CHECKPOINT_EVERY (steps: `checkpoint_every`, checkpoints in the background) and
 TRAIN_HOLD_WRITES (a path: while that file exists, every rank's checkpoint data write waits before it
-starts, so that a test can kill a host while a background write is in flight).
+starts, so that a test can kill a host while a background write is in flight; a waiting rank says so in
+the file `<path>.<pid>`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ if hold:
     write_data = storage.Writer.write_data
 
     def held_write(self, plan, planner):  # type: ignore[no-untyped-def]
+        waiting = f"{hold}.{os.getpid()}"  # says this rank's write is held, for the test to see
+        if os.path.exists(hold):
+            Path(waiting).touch()
         while os.path.exists(hold):
             time.sleep(0.05)
+        Path(waiting).unlink(missing_ok=True)
         return write_data(self, plan, planner)
 
     storage.Writer.write_data = held_write  # type: ignore[method-assign]

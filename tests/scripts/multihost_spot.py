@@ -110,18 +110,19 @@ class Driver:
         """SIGKILL h3's ranks while a background checkpoint's data writes are held (none committed)."""
         root, hold = self.run_dir / "checkpoints", Path(os.environ["TRAIN_HOLD_WRITES"])
         latest = root / "latest"
-        before = latest.read_text().strip() if latest.exists() else None
+        job = self.ctl.job
+        assert job is not None
         hold.touch()
         try:
 
             def writing() -> list[str]:
                 return [p.name for p in root.glob(".step-*.tmp") if p.is_dir()]
 
-            if not wait_for(lambda: bool(writing()), 30):
-                self.fail(f"kill: no background write began within 30 s (checkpoint_every={EVERY})")
-            time.sleep(0.5)  # every rank is in its held write now
-            job = self.ctl.job
-            assert job is not None
+            # every rank waits in its write (a write already past the hold when it was set commits first)
+            ranks = job.pipeline * job.data
+            if not wait_for(lambda: len(list(hold.parent.glob(f"{hold.name}.*"))) == ranks, 30):
+                self.fail(f"kill: the {ranks} ranks were not all in a held write within 30 s (checkpoint_every={EVERY})")
+            before = latest.read_text().strip() if latest.exists() else None
             pids = [e["pid"] for e in self.ctl.store.events("hello", job=job.job_id) if e["host"] == "h3"]
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
