@@ -121,7 +121,9 @@ class Driver:
             # every rank waits in its write (a write already past the hold when it was set commits first)
             ranks = job.pipeline * job.data
             if not wait_for(lambda: len(list(hold.parent.glob(f"{hold.name}.*"))) == ranks, 30):
-                self.fail(f"kill: the {ranks} ranks were not all in a held write within 30 s (checkpoint_every={EVERY})")
+                self.fail(
+                    f"kill: the {ranks} ranks were not all in a held write within 30 s (checkpoint_every={EVERY})"
+                )
             before = latest.read_text().strip() if latest.exists() else None
             pids = [e["pid"] for e in self.ctl.store.events("hello", job=job.job_id) if e["host"] == "h3"]
             for pid in pids:
