@@ -30,7 +30,7 @@ def segment(**overrides: object) -> SegmentCost:
 def table(**overrides: object) -> CostTable:
     fields: dict[str, object] = {
         "model_signature": "abc",
-        "segments": [segment(), segment(recompute_s={1: 0.15, 2: 0.3})],
+        "segments": [segment(), segment(recompute_s={1: 0.15, 2: 0.3}, nograd_forward_s={1: 0.09, 2: 0.18})],
         "network": NetworkCost(
             p2p_latency_s=1e-4, p2p_bandwidth_Bps=1e9, allreduce={2: [(1000, 0.01), (0, 0.001)]}
         ),
@@ -50,6 +50,11 @@ def test_json_round_trip_through_a_file(tmp_path: Path) -> None:
     assert back == t
     assert back.micro_batch_sizes == [1, 2]  # sorted on construction
     assert back.segments[1].recompute_at(2) == 0.3 and back.segments[0].recompute_at(2) == 0.2
+    assert back.segments[1].nograd_forward_at(2) == 0.18 and back.segments[0].nograd_forward_at(2) == 0.2
+    with pytest.raises(
+        ConfigError, match=r"nograd_forward_s has micro-batch sizes \[1\] but forward_s has \[1, 2\]"
+    ):
+        segment(nograd_forward_s={1: 0.09})
 
 
 def test_load_errors_say_what_to_do(tmp_path: Path) -> None:

@@ -45,6 +45,10 @@ def test_measured_cost_reads_split_and_whole_backwards() -> None:
     assert cost is not None
     assert cost.order_costs() == pytest.approx((1.0, 1.3, 1.0, 2.0))
     assert measured_cost(_spans([("B", 0, 2.0)])) is None  # no forward: no cost
+    # a recomputing stage's F spans ran without autograd: they price its no-grad forward
+    cost = measured_cost(_spans([("F", 0, 0.8), ("R", 0, 1.1), ("B", 0, 2.0)]))
+    assert cost is not None and cost.seconds("F", recomputes=True) == pytest.approx(0.8)
+    assert cost.seconds("R") == pytest.approx(1.1)
 
 
 def test_every_backward_split_prices_the_whole_one_from_the_shares() -> None:

@@ -127,7 +127,7 @@ def test_slow_segment_is_measured_slower() -> None:
         progress=False,
     )
     for m in (1, 2):
-        for kind in ("forward_s", "backward_s", "recompute_s"):
+        for kind in ("forward_s", "backward_s", "recompute_s", "nograd_forward_s"):
             times = [getattr(s, kind)[m] for s in segs]
             assert times[1] >= 0.009 and times[1] > 5 * max(times[0], times[2]), (kind, m, times)
     assert model.blocks[0].weight.grad is sentinel and model.blocks[1].weight.grad is None

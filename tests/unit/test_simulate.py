@@ -148,6 +148,21 @@ def test_varuna_recomputes_just_in_time() -> None:
     assert simulate("gpipe", 1, 2, [r], recompute=True).busy_s == [6.0]
 
 
+def test_a_recomputing_stage_forwards_without_autograd_at_its_own_cost() -> None:
+    # its F runs under no_grad (the profile's nograd_forward_s); the last stage, which keeps its
+    # activations, forwards with autograd
+    r = StageCost(forward_s=1.0, backward_s=2.0, recompute_s=0.5, nograd_forward_s=0.75)
+    t = simulate("varuna", 2, 1, [r, r], comm=[0.0])
+    assert compute(t.spans[0])[:2] == [("F0", 0, 0.75), ("R0", 0.75, 1.25)]
+    assert compute(t.spans[1]) == [("F0", 0.75, 1.75), ("B0", 1.75, 3.75)]
+    assert simulate("1f1b", 2, 1, [r, r], comm=[0.0]).spans[0][0].end == 1.0  # no recompute: with autograd
+    # the planner's fast path prices it alike
+    from varuna.planner.fast import lowered, run_in_order
+
+    spans = run_in_order(lowered("varuna", 2, 1, recompute=True), [r, r], [0.0], [0.0, 0.0], {})
+    assert compute(spans[0])[:2] == [("F0", 0, 0.75), ("R0", 0.75, 1.25)]
+
+
 def test_pull_ahead_fills_the_wait_for_a_late_gradient() -> None:
     even = StageCost(forward_s=1.0, backward_s=1.0)
     kw = {"comm": [2.0], "recompute": False}

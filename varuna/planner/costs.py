@@ -65,6 +65,9 @@ class SegmentCost:
     """Bytes of optimizer state for them (e.g. 2 x param_bytes for Adam in fp32)."""
     recompute_s: dict[int, float] | None = None
     """Micro-batch size -> seconds of a recomputed forward; None means the same as `forward_s`."""
+    nograd_forward_s: dict[int, float] | None = None
+    """Micro-batch size -> seconds of a forward under `torch.no_grad()` (a recomputing stage's first
+    forward: it builds no graph and keeps nothing); None means the same as `forward_s`."""
     update_s: float = 0.0
     """Seconds of the once-per-step parameter update of this segment's parameters: the gradient
     norm and an AdamW step (the profile assumes Adam, as `optimizer_bytes` does); 0 if unmeasured."""
@@ -73,7 +76,14 @@ class SegmentCost:
         if not math.isfinite(self.update_s) or self.update_s < 0:
             raise ConfigError(f"SegmentCost.update_s = {self.update_s!r}; it must be a finite number >= 0")
         sizes = set(self.forward_s)
-        for name in ("forward_s", "backward_s", "activation_bytes", "activation_memory_bytes", "recompute_s"):
+        for name in (
+            "forward_s",
+            "backward_s",
+            "activation_bytes",
+            "activation_memory_bytes",
+            "recompute_s",
+            "nograd_forward_s",
+        ):
             table = getattr(self, name)
             if table is None:
                 continue
@@ -91,6 +101,10 @@ class SegmentCost:
         """Seconds to recompute the forward of one micro-batch of size `mbs`."""
         return (self.recompute_s or self.forward_s)[mbs]
 
+    def nograd_forward_at(self, mbs: int) -> float:
+        """Seconds of a forward of one micro-batch of size `mbs` that keeps nothing for a backward."""
+        return (self.nograd_forward_s or self.forward_s)[mbs]
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (integer keys as strings)."""
 
@@ -101,6 +115,7 @@ class SegmentCost:
             "forward_s": keyed(self.forward_s),
             "backward_s": keyed(self.backward_s),
             "recompute_s": keyed(self.recompute_s),
+            "nograd_forward_s": keyed(self.nograd_forward_s),
             "activation_bytes": keyed(self.activation_bytes),
             "activation_memory_bytes": keyed(self.activation_memory_bytes),
             "param_bytes": self.param_bytes,
@@ -113,7 +128,7 @@ class SegmentCost:
     def from_json(cls, data: Mapping[str, Any]) -> SegmentCost:
         """Inverse of `to_json`."""
         what = "a segment of the profile"
-        recompute = data.get("recompute_s")
+        recompute, nograd = data.get("recompute_s"), data.get("nograd_forward_s")
         return cls(
             forward_s={
                 k: float(v) for k, v in int_keys(required_field(data, "forward_s", what), "forward_s").items()
@@ -125,6 +140,9 @@ class SegmentCost:
             recompute_s=None
             if recompute is None
             else {k: float(v) for k, v in int_keys(recompute, "recompute_s").items()},
+            nograd_forward_s=None
+            if nograd is None
+            else {k: float(v) for k, v in int_keys(nograd, "nograd_forward_s").items()},
             activation_bytes={
                 k: int(v)
                 for k, v in int_keys(

@@ -36,7 +36,7 @@ from varuna.schedule import (
 class _Cost(Protocol):
     """What `run_in_order` needs of a stage's costs (`varuna.planner.simulator.StageCost`)."""
 
-    def seconds(self, kind: str, *, split: bool = False) -> float: ...
+    def seconds(self, kind: str, *, split: bool = False, recomputes: bool = False) -> float: ...
 
 
 __all__ = ["lowered", "inflight_in_order", "run_in_order"]
@@ -101,9 +101,10 @@ def run_in_order(
     work = []
     for s, c in enumerate(costs):
         split = {a.microbatch for a in queues[s] if a.kind == WEIGHT_KIND}
+        recomputes = any(a.kind == "R" for a in queues[s])
         work.append(
             (
-                c.seconds("F"),
+                c.seconds("F", recomputes=recomputes),
                 c.seconds("B"),
                 c.seconds("B", split=True),
                 c.seconds("R"),

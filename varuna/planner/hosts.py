@@ -61,6 +61,9 @@ def scale_compute(table: CostTable, factor: float) -> CostTable:
             forward_s={m: t * factor for m, t in s.forward_s.items()},
             backward_s={m: t * factor for m, t in s.backward_s.items()},
             recompute_s=None if s.recompute_s is None else {m: t * factor for m, t in s.recompute_s.items()},
+            nograd_forward_s=None
+            if s.nograd_forward_s is None
+            else {m: t * factor for m, t in s.nograd_forward_s.items()},
             update_s=s.update_s * factor,
         )
 

@@ -343,6 +343,7 @@ class _Shape:
                 forward_s=sum(segs[j].forward_s[mbs] for j in r) + extra,
                 backward_s=sum(segs[j].backward_s[mbs] for j in r) + extra,
                 recompute_s=sum(segs[j].recompute_at(mbs) for j in r) + extra,
+                nograd_forward_s=sum(segs[j].nograd_forward_at(mbs) for j in r) + extra,
             )
             for r in stages
         ]

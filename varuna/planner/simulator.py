@@ -4,7 +4,8 @@ One source of truth for schedules: `simulate` times exactly `lower(make_schedule
 `varuna.engine.runtime.StageRuntime` runs, with per-stage compute costs, a transfer time per stage boundary
 and each stage's gradient all-reduce. Rules, as in the runtime:
 
-    F, B, R      take the stage's forward / backward / recompute seconds
+    F, B, R      take the stage's forward / backward / recompute seconds (the F of a stage that
+                 recomputes: its forward without autograd, `StageCost.nograd_forward_s`)
     W            a split backward's weight half (`split_backwards`): W(m) takes the stage's
                  `weight_share` of its backward seconds and B(m) then only `input_share`
     SEND_F/B     cost the sender `message_s[kind]` (the runtime's encoding and posting, default 0);
@@ -328,7 +329,9 @@ class _Simulation:
 
     def work(self, v: int, kind: str, m: int) -> float:
         """Lone-compute seconds of (virtual) stage v's action `kind` on micro-batch m."""
-        return self.costs[v].seconds(kind, split=kind == "B" and (v, m) in self.split)
+        return self.costs[v].seconds(
+            kind, split=kind == "B" and (v, m) in self.split, recomputes=v in self.recomputes
+        )
 
     def run(self) -> None:
         while True:

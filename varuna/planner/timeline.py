@@ -23,6 +23,9 @@ class StageCost:
     """Backward pass."""
     recompute_s: float | None = None
     """Recomputed forward before the backward; None means `forward_s`."""
+    nograd_forward_s: float | None = None
+    """The forward of a stage that recomputes (under `torch.no_grad()`: no graph, nothing kept);
+    None means `forward_s`."""
     input_share: float = 0.65
     """A split backward's input half (B before its W), as a share of `backward_s`."""
     weight_share: float = 0.5
@@ -31,11 +34,14 @@ class StageCost:
     the engine's own B and W spans over its whole backward in a pipeline on a CPU host (the
     benchmark GPT's ZB-V chunks; docs/benchmarks/findings.md has the figures)."""
 
-    def seconds(self, kind: str, *, split: bool = False) -> float:
+    def seconds(self, kind: str, *, split: bool = False, recomputes: bool = False) -> float:
         """The cost of a compute action of `kind` ("F", "B", "R" or "W"); `split`: a B whose
-        weight half runs later as W."""
+        weight half runs later as W; `recomputes`: an F of a stage that recomputes its forwards
+        (it runs without autograd)."""
         if kind == "F":
-            return self.forward_s
+            return (
+                self.nograd_forward_s if recomputes and self.nograd_forward_s is not None else self.forward_s
+            )
         if kind == "B":
             return self.backward_s * (self.input_share if split else 1.0)
         if kind == WEIGHT_KIND:
@@ -77,11 +83,12 @@ def measured_cost(
         shares = StageCost(forward_s=1.0, backward_s=1.0)  # the default shares
         b = (b_split + w) / (shares.input_share + shares.weight_share if unsplit_from_shares else 1.0)
     b = max(b, 1e-12)
-    recompute = seconds("R")
+    recompute = seconds("R")  # a recomputing stage: its F spans ran without autograd
     return StageCost(
         forward_s=statistics.median(forward),
         backward_s=b,
         recompute_s=statistics.median(recompute) if recompute else None,
+        nograd_forward_s=statistics.median(forward) if recompute else None,
         **({"input_share": b_split / b, "weight_share": w / b} if split and weights else {}),
     )
 

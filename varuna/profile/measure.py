@@ -17,6 +17,7 @@ Per segment (the code between two CutPoints) and micro-batch size, a profile rec
     backward_s   its backward, accumulating     | and at each CutPoint's gradient hook
                  into existing gradients, as the engine's bucketed gradients do
     recompute_s  forward with autograd, right after a no_grad forward of the same micro-batch
+    nograd_forward_s  that no_grad forward (a recomputing stage's first forward: no graph, nothing kept)
     update_s     once per step: zero its gradients, their norm, an AdamW step over its parameters
     activation_bytes         bytes of the value handed to the segment's CutPoint
     activation_memory_bytes  bytes saved for backward (saved-tensor hooks; parameters excluded)
@@ -172,7 +173,7 @@ def _profile(
             )
         return loss
 
-    samples: dict[str, dict[int, list[list[float]]]] = {kind: {m: [] for m in sizes} for kind in "fbr"}
+    samples: dict[str, dict[int, list[list[float]]]] = {kind: {m: [] for m in sizes} for kind in "fbrn"}
     cut_bytes: dict[int, list[int]] = {}
     memory: dict[int, list[int]] = {}
     bar = tqdm(
@@ -206,8 +207,11 @@ def _profile(
                 else:
                     samples["f"][m].append(_diffs([start, *clock.marks, mid]))
                     samples["b"][m].append(_diffs([*back, end])[::-1])
+                    clock = _Clock(sync)
                     with torch.no_grad():  # what a recomputing schedule's forward runs ...
-                        forward(_Clock(sync), micro)
+                        start = clock.now()
+                        forward(clock, micro)
+                        samples["n"][m].append(_diffs([start, *clock.marks, clock.now()]))
                     clock = _Clock(sync)
                     start = clock.now()
                     loss = forward(clock, micro)  # ... and its recompute, before the backward
@@ -225,6 +229,7 @@ def _profile(
             forward_s=median("f", j),
             backward_s=median("b", j),
             recompute_s=median("r", j),
+            nograd_forward_s=median("n", j),
             activation_bytes={m: cut_bytes[m][j] for m in sizes},
             activation_memory_bytes={m: memory[m][j] for m in sizes},
             param_bytes=split[0][j],

@@ -193,6 +193,8 @@ def _bracketed_steps(
                 backward_s=old.backward_s | mean(x.backward_s, y.backward_s),
                 recompute_s=(old.recompute_s or old.forward_s)
                 | mean(x.recompute_s or x.forward_s, y.recompute_s or y.forward_s),
+                nograd_forward_s=(old.nograd_forward_s or old.forward_s)
+                | mean(x.nograd_forward_s or x.forward_s, y.nograd_forward_s or y.forward_s),
                 update_s=(x.update_s + y.update_s) / scale,
             )
             for old, x, y in zip(table.segments, before, after)
