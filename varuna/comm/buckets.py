@@ -45,7 +45,9 @@ class GradBuckets:
     """Gradients as views into a few flat buffers, all-reduced (averaged) bucket by bucket.
 
     `stages` maps each parameter's id to the (virtual) stage that computes its gradient, for
-    `final_pass` and `stage_done`; without it every parameter is of stage 0.
+    `final_pass` and `stage_done`; without it every parameter is of stage 0. Buckets hold at most
+    `bucket_bytes` (a larger parameter gets one of its own), the first one all-reduced (the last
+    parameters') at most `first_bucket_bytes` where that is smaller.
     """
 
     def __init__(
@@ -55,22 +57,30 @@ class GradBuckets:
         *,
         stages: Mapping[int, int] | None = None,
         dtype: torch.dtype | None = None,
+        first_bucket_bytes: int = 2**20,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.buffers: list[torch.Tensor] = []
         self.members: list[list[torch.nn.Parameter]] = []
         self.dtype = dtype
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        # filled from the last parameter back, as DDP's: the bucket all-reduced first holds the
+        # parameters the backward reaches first, and is small (`first_bucket_bytes`) so that its
+        # all-reduce starts early in the last backward and runs beside the rest of it
+        buckets: list[list[torch.nn.Parameter]] = []
         bucket: list[torch.nn.Parameter] = []
         size = 0
-        for p in self.params:
-            if bucket and (size + p.numel() * p.element_size() > bucket_bytes or p.dtype != bucket[0].dtype):
-                self._add_bucket(bucket)
+        for p in reversed(self.params):
+            cap = min(first_bucket_bytes, bucket_bytes) if not buckets else bucket_bytes
+            if bucket and (size + p.numel() * p.element_size() > cap or p.dtype != bucket[0].dtype):
+                buckets.append(bucket)
                 bucket, size = [], 0
             bucket.append(p)
             size += p.numel() * p.element_size()
         if bucket:
-            self._add_bucket(bucket)
+            buckets.append(bucket)
+        for members in reversed(buckets):  # in the parameters' order: the last bucket starts first
+            self._add_bucket(members[::-1])
         self._bucket_of = {id(p): b for b, members in enumerate(self.members) for p in members}
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
         for p in self.params:
