@@ -296,6 +296,7 @@ def _prepare(
         "partition": partition,
         "systems": _systems(job),
         "profile_network": job.profiles_network,
+        "gauge_repeats": bench.profile_repeats,
         "rates": len(bench.rates),
         "warmup": bench.warmup,
         "steps": bench.steps,
@@ -423,10 +424,17 @@ def _run_jobs(
 
 
 def _assemble(
-    bench: NetworkBench, jobs: dict[str, dict[str, Any]], table: CostTable | None
+    bench: NetworkBench,
+    jobs: dict[str, dict[str, Any]],
+    table: CostTable | None,
+    profiled_compute_s: float | None = None,
 ) -> dict[str, Any]:
     """The report's points (one per rate, every system of every job, the planner's pick where a
-    job profiled the network), the placements' check and the losses' agreement."""
+    job profiled the network), the placements' check and the losses' agreement. Where a point
+    timed the model's compute (`compute_s`) and the profile's own figure is given
+    (`profiled_compute_s`), the planner prices that point with the profile's compute scaled by their
+    ratio (`compute_factor`): the host's speed drifts over a run by more than the target's 10%."""
+    from varuna.planner.hosts import scale_compute
     from varuna.planner.network import NetworkCost
 
     points = []
@@ -456,8 +464,10 @@ def _assemble(
         profiled = [r["points"][i] for n, r in jobs.items() if JOBS[n].profiles_network]
         if table is not None and profiled:
             network = NetworkCost.from_json(profiled[0]["network"])
+            gauge = profiled[0].get("compute_s")
+            factor = gauge / profiled_compute_s if gauge and profiled_compute_s else None
             ranking = plan_point(
-                table,
+                table if factor is None else scale_compute(table, factor),
                 network,
                 gpus=RANKS,
                 global_batch_size=bench.global_batch_size,
@@ -466,6 +476,7 @@ def _assemble(
             )
             point |= judge_point(ranking, results, network)
             point["planner"]["network"]["profile_s"] = round(profiled[0]["network_profile_s"], 1)
+            point["planner"]["compute_factor"] = None if factor is None else round(factor, 3)
         points.append(point)
     placements = {}
     for name, report in jobs.items():
@@ -533,7 +544,7 @@ def run(bench: NetworkBench, out: Path) -> dict[str, Any]:
         jobs = _run_jobs(bench, hosts, out, cuts)
     finally:
         hosts.down()
-    assembled = _assemble(bench, jobs, table)
+    assembled = _assemble(bench, jobs, table, profile["microbatch_compute_s"])
     report: dict[str, Any] = {
         **assembled,
         "planner": summarize(assembled["points"])

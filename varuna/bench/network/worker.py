@@ -10,8 +10,9 @@ rate, the number of link rates, the step counts, the folder of the rate handshak
 (`varuna.bench.network.rates`) and the output file. Every system is built once, while the link is
 unshaped (so start-up traffic is not measured); then for each rate the job waits for its turn at
 that rate (the parent shapes the link and lets the bench's jobs measure one after another), probes
-the link, profiles the network if asked (`profile_network`: what the planner decides with), and
-every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
+the link, profiles the network if asked (`profile_network`: what the planner decides with, and then
+also times the model's compute on rank 0 before and after the systems' steps, `compute_gauge`: the
+host's speed at that rate), and every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
 by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a
 barrier that lines the ranks up to the end of the optimizer step; its time is the slowest rank's.
 
@@ -174,6 +175,27 @@ def profile(spec: dict[str, Any]) -> None:
     )
 
 
+def compute_gauge(model: torch.nn.Module | None, batch: dict[str, Tensor], spec: dict[str, Any]) -> float:
+    """Collective: seconds of forward + backward of one micro-batch through the whole model, as the
+    compute profile times it (`profile_model`, its median passes summed over the segments), on rank 0
+    while the others wait; every rank gets rank 0's figure."""
+    import torch.distributed as dist
+
+    from varuna.profile.measure import profile_model
+
+    dist.barrier()
+    seconds = 0.0
+    if model is not None:
+        m = spec["micro_batch_size"]
+        segments = profile_model(
+            model, batch, micro_batch_sizes=(m,), repeats=spec["gauge_repeats"], progress=False
+        )
+        seconds = sum(s.forward_s[m] + s.backward_s[m] for s in segments)
+    box = [seconds]
+    dist.broadcast_object_list(box, src=0)
+    return float(box[0])
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The spec's mode: "profile" (`profile`), or "measure": build every system, then measure them
     all at each rate the parent sets; rank 0's report."""
@@ -191,6 +213,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     warmup = spec["warmup"]
     batches = global_batches(spec)
     runners = build(spec, batches[0])
+    gauged = spec["profile_network"] and spec.get("gauge_repeats", 0) > 0
+    gauge_model = build_model(spec["model"]) if gauged and rank == 0 else None
     kinds = {system_key(s): s["system"] for s in spec["systems"]}
     control = Path(spec["control"])
     points = []
@@ -206,7 +230,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             t1 = time.perf_counter()
             point["network"] = profile_network(p2p_bytes=network_probe_bytes(rate)).to_json()
             point["network_profile_s"] = time.perf_counter() - t1
+        if gauged:
+            before = compute_gauge(gauge_model, batches[0], spec)
         measured = measure(runners, batches)
+        if gauged:  # the host's speed while the systems ran: the mean of a gauge on either side
+            point["compute_s"] = (before + compute_gauge(gauge_model, batches[0], spec)) / 2
         for key, m in measured.items():
             timed = m["step_s"][warmup:]
             point["systems"][key] = {
