@@ -10,10 +10,11 @@ rate, the number of link rates, the step counts, the folder of the rate handshak
 (`varuna.bench.network.rates`) and the output file. Every system is built once, while the link is
 unshaped (so start-up traffic is not measured); then for each rate the job waits for its turn at
 that rate (the parent shapes the link and lets the bench's jobs measure one after another), probes
-the link, profiles the network if asked (`profile_network`: what the planner decides with, and then
-also times the model's compute on rank 0 before and after the systems' steps, `compute_gauge`: the
-host's speed at that rate), and every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
-by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a
+the link, profiles the network if asked (`profile_network`: what the planner decides with; such a
+job also times the model's compute on rank 0 before and after the systems' steps, `compute_gauge`:
+the host's speed at that rate), and every system runs `warmup` + `steps` steps on the same global
+batches, the systems alternating step by step (a shared host's speed drifts; adjacent steps see the
+same host). A step is timed from a
 barrier that lines the ranks up to the end of the optimizer step; its time is the slowest rank's.
 
 Every system trains the same GPT (same seed, so the same initial weights) on the same batches with
