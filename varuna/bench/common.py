@@ -29,9 +29,12 @@ from varuna.bench import ROOT, bench_env, log
 from varuna.errors import LaunchError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch import Tensor
 
     from varuna.models import GPT
+    from varuna.planner.costs import SegmentCost
 
 __all__ = [
     "run_job",
@@ -108,6 +111,12 @@ def build_model(cfg: dict[str, Any]) -> GPT:
 
     torch.manual_seed(SEED)
     return GPT(GPTConfig(**cfg))
+
+
+def forward_backward_s(segments: Sequence[SegmentCost], mbs: int) -> float:
+    """Seconds of forward + backward of one micro-batch of size `mbs` through the whole model, from a
+    profile's segments: the benches' gauge of the host's speed."""
+    return sum(s.forward_s[mbs] + s.backward_s[mbs] for s in segments)
 
 
 def global_batches(spec: dict[str, Any]) -> list[dict[str, Tensor]]:

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from varuna.bench import fresh_out, log, print_report, require_positive
-from varuna.bench.common import run_job
+from varuna.bench.common import forward_backward_s, run_job
 from varuna.bench.network.planner import PLACEMENTS, judge_point, plan_point, planned_cuts, summarize
 from varuna.bench.network.plot import write_plot
 from varuna.bench.network.rates import LinkSchedule
@@ -344,13 +344,7 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
         "micro_batch_size": bench.micro_batch_size,
         "repeats": bench.profile_repeats,
         "segments": table.num_segments,
-        "microbatch_compute_s": round(
-            sum(
-                s.forward_s[bench.micro_batch_size] + s.backward_s[bench.micro_batch_size]
-                for s in table.segments
-            ),
-            6,
-        ),
+        "microbatch_compute_s": round(forward_backward_s(table.segments, bench.micro_batch_size), 6),
         "compute_slowdown": {str(n): round(f, 3) for n, f in sorted(table.compute_slowdown.items())},
         "action_overhead_s": round(table.action_overhead_s, 6),
         "wall_s": round(time.perf_counter() - t0, 1),

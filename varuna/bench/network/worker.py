@@ -33,7 +33,15 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from varuna.bench.common import LR, build_model, gather, global_batches, run_worker, worker_log
+from varuna.bench.common import (
+    LR,
+    build_model,
+    forward_backward_s,
+    gather,
+    global_batches,
+    run_worker,
+    worker_log,
+)
 from varuna.bench.network.ddp_baseline import DDPRunner
 from varuna.bench.network.rates import wait_rate
 from varuna.bench.network.report import system_key
@@ -191,7 +199,7 @@ def compute_gauge(model: torch.nn.Module | None, batch: dict[str, Tensor], spec:
         segments = profile_model(
             model, batch, micro_batch_sizes=(m,), repeats=spec["gauge_repeats"], progress=False
         )
-        seconds = sum(s.forward_s[m] + s.backward_s[m] for s in segments)
+        seconds = forward_backward_s(segments, m)
     box = [seconds]
     dist.broadcast_object_list(box, src=0)
     return float(box[0])

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from varuna.bench.common import run_worker
+from varuna.bench.common import forward_backward_s, run_worker
 from varuna.bench.planner.load import foreign_cores, host_busy_s, wait_quiet
 from varuna.data import SyntheticLM, collate, global_indices
 from varuna.models import GPT, GPTConfig
@@ -309,7 +309,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _forward_backward(table: Any) -> dict[int, float]:
     """Seconds of forward + backward of the whole model per micro-batch size (a host-speed gauge)."""
-    return {m: sum(s.forward_s[m] + s.backward_s[m] for s in table.segments) for m in table.micro_batch_sizes}
+    return {m: forward_backward_s(table.segments, m) for m in table.micro_batch_sizes}
 
 
 def _name(c: dict[str, Any]) -> str:
