@@ -55,15 +55,16 @@ def scale_compute(table: CostTable, factor: float) -> CostTable:
     if not factor > 0:
         raise ConfigError(f"a compute scale factor must be > 0 (2.0: twice as slow), got {factor!r}")
 
+    def scaled(times: dict[int, float]) -> dict[int, float]:
+        return {m: t * factor for m, t in times.items()}
+
     def seg(s: SegmentCost) -> SegmentCost:
         return replace(
             s,
-            forward_s={m: t * factor for m, t in s.forward_s.items()},
-            backward_s={m: t * factor for m, t in s.backward_s.items()},
-            recompute_s=None if s.recompute_s is None else {m: t * factor for m, t in s.recompute_s.items()},
-            nograd_forward_s=None
-            if s.nograd_forward_s is None
-            else {m: t * factor for m, t in s.nograd_forward_s.items()},
+            forward_s=scaled(s.forward_s),
+            backward_s=scaled(s.backward_s),
+            recompute_s=None if s.recompute_s is None else scaled(s.recompute_s),
+            nograd_forward_s=None if s.nograd_forward_s is None else scaled(s.nograd_forward_s),
             update_s=s.update_s * factor,
         )
 
