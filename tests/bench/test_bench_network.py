@@ -22,7 +22,7 @@ from varuna.bench.netns import unavailable
 from varuna.bench.network import NetworkBench, crossover, expected_hosts, placement_of, quick
 from varuna.bench.network.planner import judge_point, summarize
 from varuna.bench.network.rates import LinkSchedule, wait_rate
-from varuna.bench.network.report import planner_lines
+from varuna.bench.network.report import label, planner_lines
 from varuna.bench.network.worker import network_probe_bytes
 from varuna.errors import ConfigError
 
@@ -242,6 +242,55 @@ def test_the_pick_is_held_against_the_best_measured_varuna_shape_of_its_placemen
     assert lines[-1].startswith("worst pick gap 20.0% (target <= 5.0%: not met)")
 
 
+def test_each_measured_configuration_is_priced_with_the_compute_of_the_job_that_measured_it() -> None:
+    results = [
+        {**r, "job": "alternate" if r["placement"] == "stages-across-hosts" else "blocks"} for r in RESULTS
+    ]
+    picking = SimpleNamespace(  # the network-profiling job's ranking: it picks the stages-across-hosts 2x2
+        ranked=[
+            _candidate(2, 2, "cyclic", 0.23),
+            _candidate(4, 1, "block", 0.24),
+            _candidate(4, 1, "cyclic", 0.3),
+            _candidate(2, 2, "block", 0.44),
+            _candidate(1, 4, "block", 0.45),
+        ]
+    )
+    alternate = SimpleNamespace(  # the host was slower while the alternate job measured: another order
+        ranked=[
+            _candidate(4, 1, "block", 0.26),
+            _candidate(2, 2, "cyclic", 0.25),
+            _candidate(4, 1, "cyclic", 0.33),
+            _candidate(2, 2, "block", 0.48),
+            _candidate(1, 4, "block", 0.49),
+        ]
+    )
+    by_job = {"blocks": picking, "alternate": alternate}
+    judged = judge_point(picking, results, NETWORK, by_job)  # type: ignore[arg-type]
+    pick = judged["planner"]
+    # the pick and its claim are the network-profiling job's ranking's
+    assert pick["shape"] == [2, 2] and pick["placement"] == "cyclic"
+    assert pick["predicted_step_s"] == 0.23 and pick["predicted_samples_per_s"] == round(16 / 0.23, 3)
+    # each measured configuration as the ranking of its job prices it, in the pick's ranking's order;
+    # the 4x1 cyclic, which no job ran, as the pick's ranking prices it
+    rows = [
+        (x["shape"], x["placement"], x["predicted_step_s"], x["predicted_vs_measured"])
+        for x in pick["predictions"]
+    ]
+    assert rows == [
+        ("2x2", "cyclic", 0.25, 1.25),  # the alternate job's: 0.25 / 0.2
+        ("4x1", "block", 0.24, 0.96),
+        ("4x1", "cyclic", 0.3, None),
+        ("2x2", "block", 0.44, 1.1),
+        ("1x4", "block", 0.45, 0.9),
+    ]
+    assert judged["predicted_vs_measured"] == 1.25
+    # without the jobs' rankings every prediction is the pick's ranking's
+    assert judge_point(picking, results, NETWORK)["predicted_vs_measured"] == pytest.approx(1.15)  # type: ignore[arg-type]
+    lacking = by_job | {"alternate": SimpleNamespace(ranked=alternate.ranked[:1])}
+    with pytest.raises(ValueError, match="job 'alternate''s ranking has no 2x2 cyclic configuration"):
+        judge_point(picking, results, NETWORK, lacking)  # type: ignore[arg-type]
+
+
 def test_the_network_profile_sends_about_half_a_second_of_the_rate() -> None:
     assert network_probe_bytes(None) == 4 * 2**20
     assert network_probe_bytes(20.0) == 1_250_000  # half a second at 20 Mbit/s
@@ -374,6 +423,24 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
         # timing ratio, so only its presence is asserted, never its size
         factors = [p["planner"]["compute_factor"] for p in report["points"]]
         assert all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in factors), factors
+        # every job timed the compute beside its own steps at every rate, and each measured
+        # configuration is priced with the factor of the job that measured it
+        ran = {r["job"] for p in report["points"] for r in p["results"]}
+        assert ran == set(bench.jobs)
+        for point in report["points"]:
+            by_job = point["planner"]["compute_factors"]
+            assert set(by_job) == ran and by_job["blocks"] == point["planner"]["compute_factor"]
+            assert all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in by_job.values()), by_job
+            predictions = point["planner"]["predictions"]
+            stages = next(r for r in point["results"] if label(r) == "varuna 2x2 (stages apart)")
+            cyclic = next(x for x in predictions if (x["shape"], x["placement"]) == ("2x2", "cyclic"))
+            assert stages["job"] == "alternate" and cyclic["measured_step_s"] == stages["step_s"]
+            for x in predictions:
+                if x["measured_step_s"] is not None:  # within the rounding of the report's figures
+                    ratio = x["predicted_step_s"] / x["measured_step_s"]
+                    assert x["predicted_vs_measured"] == pytest.approx(ratio, abs=2e-3), x
+            if point["predicted_vs_measured"] is not None:  # the pick, priced as its prediction is
+                assert point["predicted_vs_measured"] == predictions[0]["predicted_vs_measured"]
         assert sorted(summary["planned_cuts"]) == ["2", "4"]
         # every system trains the same model on the same batches: the same losses, step by step
         # within a job (torch.pipelining's 2x2 beside Varuna's: its gradients all-reduced right)

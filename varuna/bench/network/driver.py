@@ -37,6 +37,11 @@ hosts (`profile_network`, as `varuna profile` does across hosts). The planner's 
 placement) with its predicted step goes into each point beside the measured results, with the
 micro-batch size and schedule fixed to the bench's; Varuna's engines run the planner's cut
 (`partition="planner"`), so each measured Varuna shape is a configuration the planner prices.
+The host's speed drifts over minutes, so at each rate every job times the model's compute beside
+its own steps (the worker's `compute_gauge`), and the profile's compute is scaled by that gauge over
+the profile's own figure (`compute_factors`, one per job): the pick is made with the factor of the
+job that profiled the network, and each measured configuration's prediction is priced with the
+factor of the job that measured it.
 
 A job keeps its processes for every rate, so its engines are built once while the link is
 unshaped, and the two jobs live side by side: at each rate the bench shapes the link and lets them
@@ -84,6 +89,8 @@ from varuna.errors import ConfigError, LaunchError
 if TYPE_CHECKING:
     from varuna.bench.netns import NetnsHosts
     from varuna.planner.costs import CostTable
+    from varuna.planner.network import NetworkCost
+    from varuna.planner.result import PlanResult
 
 __all__ = ["NetworkBench", "Job", "JOBS", "full", "quick", "run", "main"]
 
@@ -417,6 +424,21 @@ def _run_jobs(
 # ---------------------------------------------------------------------------------------- report
 
 
+def _ranking(bench: NetworkBench, table: CostTable, network: NetworkCost, factor: float | None) -> PlanResult:
+    """The planner's ranking at a point, with the profile's compute scaled by `factor` (None: as
+    profiled)."""
+    from varuna.planner.hosts import scale_compute
+
+    return plan_point(
+        table if factor is None else scale_compute(table, factor),
+        network,
+        gpus=RANKS,
+        global_batch_size=bench.global_batch_size,
+        micro_batch_size=bench.micro_batch_size,
+        schedule=bench.schedule,
+    )
+
+
 def _assemble(
     bench: NetworkBench,
     jobs: dict[str, dict[str, Any]],
@@ -424,11 +446,15 @@ def _assemble(
     profiled_compute_s: float | None = None,
 ) -> dict[str, Any]:
     """The report's points (one per rate, every system of every job, the planner's pick where a
-    job profiled the network), the placements' check and the losses' agreement. Where a point
-    timed the model's compute (`compute_s`) and the profile's own figure is given
-    (`profiled_compute_s`), the planner prices that point with the profile's compute scaled by their
-    ratio (`compute_factor`): the host's speed drifts over a run by more than the target's 10%."""
-    from varuna.planner.hosts import scale_compute
+    job profiled the network), the placements' check and the losses' agreement.
+
+    Where a job's point timed the model's compute (`compute_s`) and the profile's own figure is
+    given (`profiled_compute_s`), their ratio is that job's factor at the point (`compute_factors`):
+    the host's speed drifts over a run by more than the target's 10%, and the jobs measure one after
+    another. The planner ranks with the profile's compute scaled by the network-profiling job's
+    factor (the pick and its `compute_factor`); each measured configuration's prediction is priced
+    with the profile's compute scaled by the factor of the job that measured it (`judge_point`'s
+    `by_job`). A job without a gauge is priced with the profile's compute as it is."""
     from varuna.planner.network import NetworkCost
 
     points = []
@@ -441,6 +467,7 @@ def _assemble(
                 P, D = system["pipeline"], system["data"]
                 results.append(
                     {
+                        "job": name,
                         "system": system["system"],
                         "shape": f"{P}x{D}",
                         "placement": job.placement if P > 1 and D > 1 else None,
@@ -455,22 +482,24 @@ def _assemble(
         probed = {name: round(report["points"][i]["link_mbit"], 1) for name, report in jobs.items()}
         point: dict[str, Any] = {"rate_mbit": rate, "link_mbit_seen": probed, "results": results}
         point |= {"planner": None, "planner_vs_best": None, "predicted_vs_measured": None}
-        profiled = [r["points"][i] for n, r in jobs.items() if JOBS[n].profiles_network]
+        profiled = [n for n in jobs if JOBS[n].profiles_network]
         if table is not None and profiled:
-            network = NetworkCost.from_json(profiled[0]["network"])
-            gauge = profiled[0].get("compute_s")
-            factor = gauge / profiled_compute_s if gauge and profiled_compute_s else None
-            ranking = plan_point(
-                table if factor is None else scale_compute(table, factor),
-                network,
-                gpus=RANKS,
-                global_batch_size=bench.global_batch_size,
-                micro_batch_size=bench.micro_batch_size,
-                schedule=bench.schedule,
-            )
-            point |= judge_point(ranking, results, network)
-            point["planner"]["network"]["profile_s"] = round(profiled[0]["network_profile_s"], 1)
+            at = jobs[profiled[0]]["points"][i]
+            network = NetworkCost.from_json(at["network"])
+            factors: dict[str, float | None] = {}
+            for name, report in jobs.items():
+                gauge = report["points"][i].get("compute_s")
+                factors[name] = gauge / profiled_compute_s if gauge and profiled_compute_s else None
+            # jobs with the same factor (None: no gauge) share one plan
+            rankings = {f: _ranking(bench, table, network, f) for f in set(factors.values())}
+            by_job = {name: rankings[factor] for name, factor in factors.items()}
+            point |= judge_point(by_job[profiled[0]], results, network, by_job)
+            point["planner"]["network"]["profile_s"] = round(at["network_profile_s"], 1)
+            factor = factors[profiled[0]]
             point["planner"]["compute_factor"] = None if factor is None else round(factor, 3)
+            point["planner"]["compute_factors"] = {
+                name: None if f is None else round(f, 3) for name, f in factors.items()
+            }
         points.append(point)
     placements = {}
     for name, report in jobs.items():

@@ -19,12 +19,21 @@ A pick is measured when the bench ran that shape in that placement: 1 x 4 (place
 "block". `planner_vs_best` is the pick's measured samples/s over the best measured Varuna result of
 the point (1.0: the planner picked the best), `predicted_vs_measured` its predicted step over its
 measured one.
+
+The host's speed drifts over minutes and the jobs measure one after another, so every job times
+the model's compute beside its steps (the worker's `compute_gauge`) and the driver plans with the
+profile's compute scaled to each job's gauge:
+
+    network-profiling job's gauge ──> ranking ──> the pick (the planner's view when it profiled)
+    each job's gauge              ──> ranking ──> predicted step of the configurations that job
+                                                  measured, held against their measured steps
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from varuna.bench.network.report import label
@@ -33,7 +42,7 @@ if TYPE_CHECKING:
     from varuna.planner.cluster import Placement
     from varuna.planner.costs import CostTable
     from varuna.planner.network import NetworkCost
-    from varuna.planner.result import PlanResult
+    from varuna.planner.result import Candidate, PlanResult
 
 __all__ = [
     "TARGETS",
@@ -132,24 +141,57 @@ def _measured(results: list[dict[str, Any]], pipeline: int, data: int, placement
     return None
 
 
-def judge_point(result: PlanResult, results: list[dict[str, Any]], network: NetworkCost) -> dict[str, Any]:
+def _priced_step_s(
+    candidate: Candidate, measured: dict[str, Any] | None, by_job: Mapping[str, PlanResult] | None
+) -> float:
+    """The predicted step of `candidate` to hold against its `measured` result: as the ranking of
+    the job that measured it prices the same shape and placement (`by_job[measured["job"]]`), or as
+    `candidate` itself says where no such ranking is given or the bench did not run it."""
+    if measured is None or by_job is None:
+        return candidate.predicted_step_s
+    job = measured["job"]
+    for c in by_job[job].ranked:
+        if (c.pipeline, c.data, c.placement) == (candidate.pipeline, candidate.data, candidate.placement):
+            return c.predicted_step_s
+    raise ValueError(
+        f"job {job!r}'s ranking has no {candidate.pipeline}x{candidate.data} {candidate.placement} "
+        f"configuration, which the pick's ranking has: plan every job's ranking with the same options"
+    )
+
+
+def judge_point(
+    result: PlanResult,
+    results: list[dict[str, Any]],
+    network: NetworkCost,
+    by_job: Mapping[str, PlanResult] | None = None,
+) -> dict[str, Any]:
     """The point's `planner` section, `planner_vs_best` and `predicted_vs_measured` (None where the
-    pick was not measured), from the planner's ranking and the point's measured results."""
+    pick was not measured), from the planner's ranking and the point's measured results.
+
+    `result` ranks and picks, and the section's `predicted_step_s` and `predicted_samples_per_s`
+    are the pick's as `result` prices it (the planner's claim). `by_job` maps a job's name (each
+    measured result's "job") to the ranking priced with that job's compute gauge: each measured
+    configuration's `predicted_step_s` and `predicted_vs_measured` in `predictions`, and the top-level
+    `predicted_vs_measured`, take the predicted step from the ranking of the job that measured it,
+    so that it is held against a step measured at the same host speed. Without `by_job` every
+    prediction is `result`'s."""
     predictions = []
     for c in result.ranked:
         r = _measured(results, c.pipeline, c.data, c.placement)
+        predicted = _priced_step_s(c, r, by_job)
         predictions.append(
             {
                 "shape": f"{c.pipeline}x{c.data}",
                 "placement": c.placement,
                 "measured_as": None if r is None else label(r),
-                "predicted_step_s": round(c.predicted_step_s, 5),
+                "predicted_step_s": round(predicted, 5),
                 "measured_step_s": None if r is None else r["step_s"],
-                "predicted_vs_measured": None if r is None else round(c.predicted_step_s / r["step_s"], 3),
+                "predicted_vs_measured": None if r is None else round(predicted / r["step_s"], 3),
             }
         )
     pick = result.ranked[0]
     measured = _measured(results, pick.pipeline, pick.data, pick.placement)
+    pick_priced = _priced_step_s(pick, measured, by_job)
     best = max((r["samples_per_s"] for r in results if r["system"] == "varuna"), default=math.nan)
     section = {
         "shape": [pick.pipeline, pick.data],
@@ -167,9 +209,7 @@ def judge_point(result: PlanResult, results: list[dict[str, Any]], network: Netw
     return {
         "planner": section,
         "planner_vs_best": None if measured is None else round(measured["samples_per_s"] / best, 3),
-        "predicted_vs_measured": None
-        if measured is None
-        else round(pick.predicted_step_s / measured["step_s"], 3),
+        "predicted_vs_measured": None if measured is None else round(pick_priced / measured["step_s"], 3),
     }
 
 

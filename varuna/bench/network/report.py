@@ -140,10 +140,12 @@ def planner_lines(report: dict[str, Any]) -> list[str]:
             continue
         P, D = pick["shape"]
         line = f"{_rate(point['rate_mbit'])}: picks {P}x{D} {pick['placement']}"
-        predicted, measured = pick["predicted_step_s"], pick["predictions"][0]["measured_step_s"]
+        measured = pick["predictions"][0]["measured_step_s"]
         if point["planner_vs_best"] is None or measured is None:
-            lines.append(f"{line} (not measured), predicted step {predicted:.4f} s")
+            lines.append(f"{line} (not measured), predicted step {pick['predicted_step_s']:.4f} s")
             continue
+        # the pick as priced at the host speed of the job that measured it, as its ratio is
+        predicted = pick["predictions"][0]["predicted_step_s"]
         varuna = [r for r in point["results"] if r["system"] == "varuna"]
         best = max(varuna, key=lambda r: r["samples_per_s"])
         lines.append(

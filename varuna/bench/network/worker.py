@@ -10,12 +10,13 @@ rate, the number of link rates, the step counts, the folder of the rate handshak
 (`varuna.bench.network.rates`) and the output file. Every system is built once, while the link is
 unshaped (so start-up traffic is not measured); then for each rate the job waits for its turn at
 that rate (the parent shapes the link and lets the bench's jobs measure one after another), probes
-the link, profiles the network if asked (`profile_network`: what the planner decides with; such a
-job also times the model's compute on rank 0 before and after the systems' steps, `compute_gauge`:
-the host's speed at that rate), and every system runs `warmup` + `steps` steps on the same global
+the link, profiles the network if asked (`profile_network`: what the planner decides with), times
+the model's compute on rank 0 before and after the systems' steps where `gauge_repeats` > 0
+(`compute_gauge`: the host's speed while this job measured at that rate, with which the planner
+prices this job's configurations), and every system runs `warmup` + `steps` steps on the same global
 batches, the systems alternating step by step (a shared host's speed drifts; adjacent steps see the
-same host). A step is timed from a
-barrier that lines the ranks up to the end of the optimizer step; its time is the slowest rank's.
+same host). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
+its time is the slowest rank's.
 
 Every system trains the same GPT (same seed, so the same initial weights) on the same batches with
 AdamW, and every system has run the same steps at each point: their losses agree step by step.
@@ -222,7 +223,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     warmup = spec["warmup"]
     batches = global_batches(spec)
     runners = build(spec, batches[0])
-    gauged = spec["profile_network"] and spec.get("gauge_repeats", 0) > 0
+    gauged = spec.get("gauge_repeats", 0) > 0
     gauge_model = build_model(spec["model"]) if gauged and rank == 0 else None
     kinds = {system_key(s): s["system"] for s in spec["systems"]}
     control = Path(spec["control"])
