@@ -188,6 +188,7 @@ NETWORK = SimpleNamespace(
     inter_host_latency_s=1e-4,
     p2p_bandwidth_Bps=1e9,
     p2p_latency_s=5e-5,
+    inter_host_duplex={1: 1.2, 2: 1.25},
 )
 
 
@@ -209,6 +210,7 @@ def test_the_pick_is_held_against_the_best_measured_varuna_shape_of_its_placemen
     assert judged["planner_vs_best"] == pytest.approx(0.8)
     assert judged["predicted_vs_measured"] == pytest.approx(0.88)
     assert pick["network"]["inter_host_mbit"] == 20.0 and pick["network"]["gpus_per_host"] == 2
+    assert pick["network"]["inter_host_duplex"] == {"1": 1.2, "2": 1.25}
     measured = {(x["shape"], x["placement"]): x["measured_as"] for x in pick["predictions"]}
     assert measured == {
         ("4x1", "block"): "varuna 4x1",
@@ -379,6 +381,7 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
             assert pick["predicted_step_s"] > 0 and math.isfinite(pick["predicted_step_s"])
             assert pick["micro_batch_size"] == bench.micro_batch_size and pick["schedule"] == bench.schedule
             assert pick["network"]["gpus_per_host"] == 2 and pick["network"]["inter_host_mbit"] > 0
+            assert sorted(pick["network"]["inter_host_duplex"]) == ["1", "2"]  # measured, streams each way
             assert len(pick["predictions"]) == 5  # 1x4, 2x2 and 4x1 in both placements (1x4 in one)
             if point["planner_vs_best"] is not None:
                 assert 0 < point["planner_vs_best"] <= 1 and point["predicted_vs_measured"] > 0

@@ -13,6 +13,7 @@ parallelism wins and on the slow one a pipeline whose all-reduces stay inside a 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -82,6 +83,11 @@ def test_multihost_the_plan_follows_the_measured_network(hosts: NetnsHosts, tmp_
     # one float, so the measurement is one direction's rate)
     assert slow.network.inter_host_bandwidth_Bps == pytest.approx(SLOW_MBIT * 1e6 / 8, rel=0.15)
     assert fast.network.inter_host_bandwidth_Bps > 10 * slow.network.inter_host_bandwidth_Bps
+    # streams both ways at once against one way, for one and for two each way (two ranks a host);
+    # a ratio of timings: only that each is measured, never its size
+    for table in (fast, slow):
+        duplex = table.network.inter_host_duplex
+        assert sorted(duplex) == [1, 2] and all(math.isfinite(f) and f > 0 for f in duplex.values()), duplex
     # the slow profile stops its all-reduce sizes where one would take more than a second
     assert max(b for b, _ in slow.network.allreduce[4]) < max(b for b, _ in fast.network.allreduce[4])
 

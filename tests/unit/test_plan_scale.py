@@ -7,6 +7,7 @@ import hashlib
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from varuna.bench.planner.scale import PaperGPT, paper_table
 from varuna.cli import main
 from varuna.errors import ConfigError, PlanError
-from varuna.planner.cluster import Cluster, Links
+from varuna.planner.cluster import Cluster, Links, Placement
 from varuna.planner.costs import CostTable, NetworkCost, SegmentCost
 from varuna.planner.fast import inflight_in_order, lowered, run_in_order
 from varuna.planner.limits import explain
@@ -382,6 +383,79 @@ def test_the_plan_across_hosts_follows_the_bandwidth_between_them() -> None:
 
     assert best(100e9) == (1, 4, "block")
     assert best(1e6) == (2, 2, "cyclic")
+
+
+def test_the_duplex_factors_travel_from_the_profile_to_each_crossing(tmp_path: Path) -> None:
+    """The profile's duplex factors (k streams each way against k alone) reach the cluster unless
+    it is given another bandwidth than the one measured, and each crossing takes the factor for the
+    replicas sharing it; a boundary inside a host takes none."""
+    measured = NetworkCost(
+        p2p_latency_s=5e-6,
+        p2p_bandwidth_Bps=10e9,
+        gpus_per_host=2,
+        inter_host_bandwidth_Bps=1e6,
+        inter_host_latency_s=20e-6,
+        inter_host_duplex={1: 1.1, 2: 1.3},
+    )
+    cluster = Cluster.from_network(measured)
+    assert cluster is not None and cluster.duplex == {1: 1.1, 2: 1.3}
+    assert cluster.duplex_factor(2) == 1.3 and cluster.duplex_factor(4) == 1.3  # beyond: the nearest
+    assert Cluster(gpus_per_host=2).duplex_factor(2) == 1.0  # unmeasured: both ways as fast as one
+    assert Cluster.from_network(measured, inter_bandwidth_Bps=2e6) == Cluster(
+        gpus_per_host=2, inter_bandwidth_Bps=2e6, inter_latency_s=20e-6
+    )
+    cyclic = Links(measured, replace(cluster, placement="cyclic"), 2, 2)
+    four = Links(measured, cluster, 4, 1)
+    assert cyclic.duplex(0) == 1.3 and [four.duplex(b) for b in range(3)] == [1.0, 1.1, 1.0]
+    assert Links(measured, cluster, 2, 2).duplex(0) == 1.0  # block: each pipeline inside a host
+    back = NetworkCost.from_json(json.loads(json.dumps(measured.to_json())))
+    assert back == measured
+    older = {k: v for k, v in measured.to_json().items() if k != "inter_host_duplex"}  # a profile from before
+    assert NetworkCost.from_json(older).inter_host_duplex == {}
+    with pytest.raises(ConfigError, match=r"inter_host_duplex\[2\] = 0.0; give streams each way >= 1"):
+        NetworkCost(p2p_latency_s=0, p2p_bandwidth_Bps=1, inter_host_duplex={2: 0.0})
+    with pytest.raises(PlanError, match=r"duplex\[0\] = 1.2: give streams each way >= 1"):
+        Cluster(gpus_per_host=2, duplex={0: 1.2})
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_crossing_busy_both_ways_is_stretched_as_far_as_the_other_way_is_busy(fast: bool) -> None:
+    """2 x 2 cyclic on two hosts: activations cross one way and gradients the other. Where the link
+    carries transfers most of the step, the step grows nearly by the duplex factor; where the
+    transfers are a sliver of it, hardly at all; the block placement's pipelines do not cross."""
+    net = NetworkCost(p2p_latency_s=1e-6, p2p_bandwidth_Bps=1e10, allreduce={2: [(0, 1e-6)], 4: [(0, 1e-6)]})
+
+    def step(activation_bytes: int, duplex: dict[int, float], placement: Placement = "cyclic") -> float:
+        seg = SegmentCost(
+            forward_s={1: 0.001},
+            backward_s={1: 0.002},
+            activation_bytes={1: activation_bytes},
+            activation_memory_bytes={1: 2**10},
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=8,
+        )
+        table = CostTable(model_signature="synthetic", segments=[seg] * 4, network=net, micro_batch_sizes=[1])
+        cluster = Cluster(gpus_per_host=2, inter_bandwidth_Bps=1e6, placement=placement, duplex=duplex)
+        result = plan(
+            table,
+            gpus=4,
+            memory_bytes="1GiB",
+            global_batch_size=16,
+            pipelines=[2],
+            schedules=["1f1b"],
+            recompute_options=(False,),
+            cluster=cluster,
+            fast=fast,
+        )
+        (candidate,) = [c for c in result.ranked if c.placement == placement]
+        return candidate.predicted_step_s
+
+    factors = {1: 1.2, 2: 1.5}
+    saturated = step(2**20, factors) / step(2**20, {})
+    assert 1.4 < saturated <= 1.5
+    assert 1.0 < step(2**8, factors) / step(2**8, {}) < 1.01
+    assert step(2**20, factors, "block") == step(2**20, {}, "block")
 
 
 def test_hosts_sharing_one_machines_cores_slow_every_replica() -> None:

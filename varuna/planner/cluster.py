@@ -10,7 +10,10 @@ rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks ea
   slowest replica sets the step, so the boundary is charged as its slowest crossing). Where k
   replicas send across the boundary from one host, their transfers share that host's link: each
   keeps it busy k times as long (`p2p_busy`), so a saturated link carries all k replicas' bytes
-  while one transfer on a link that is otherwise free still takes its own time.
+  while one transfer on a link that is otherwise free still takes its own time. A crossing
+  carries activations one way and gradients the other: with measured duplex factors
+  (`Cluster.duplex`) the planner stretches its transfers by the factor for the replicas sharing it,
+  as far as the opposite direction is busy (`Links.duplex`, `varuna.planner.search`).
 - All-reduce of a group (a stage's D replicas, the tied weights' 2D ranks, the per-step one over
   everyone): within one host the profile's measurement (`NetworkCost.allreduce_time`). Across H
   hosts with at most k of its ranks on one host, a ring: 2(n-1)/n x bytes over the slowest link
@@ -31,11 +34,12 @@ profile.json by hand, the profile measures one host). Defaults (`varuna plan --g
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from varuna.errors import PlanError, is_int
-from varuna.planner.network import NetworkCost
+from varuna.planner.network import NetworkCost, slowdown_of
 
 __all__ = ["Cluster", "Links", "Placement", "PLACEMENTS", "INTER_BANDWIDTH_BPS", "INTER_LATENCY_S"]
 
@@ -71,6 +75,10 @@ class Cluster:
     sit on different hosts and, with H dividing P, each stage's replicas share a host, so
     activations cross the network and all-reduces do not. `varuna.planner.search.plan` tries both
     where the GPUs span hosts."""
+    duplex: Mapping[int, float] = field(default_factory=dict)
+    """k -> how many times longer k streams from one host to another take while k go the opposite
+    way than alone (`NetworkCost.inter_host_duplex`, measured by the profile across hosts); {}: 1,
+    each direction of a link as free as if the other were idle."""
     shared_cores: bool = False
     """Whether the hosts share one machine's cores (namespace hosts on one machine, as the tests and
     the network bench make them): then the busy stages of every replica slow each other down (a CPU
@@ -91,6 +99,12 @@ class Cluster:
                     f"{name} = {value!r}: give bytes per second > 0, e.g. 12.5e9 for 100 Gbit/s "
                     "(varuna plan: --inter-host-gbit / --intra-host-gbit in Gbit/s)"
                 )
+        for k, factor in self.duplex.items():
+            if not is_int(k) or k < 1 or not (math.isfinite(factor) and factor > 0):
+                raise PlanError(
+                    f"duplex[{k!r}] = {factor!r}: give streams each way >= 1 with a factor > 0 "
+                    "(1: both directions as fast as one)"
+                )
         for name in ("inter_latency_s", "intra_latency_s"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
@@ -103,7 +117,8 @@ class Cluster:
     def from_network(cls, net: NetworkCost, **given: float | int | None) -> Cluster | None:
         """The cluster of a profile's network (`NetworkCost.gpus_per_host` and the inter-host
         fields), with `given` (the same names as the fields; None: not given) taking precedence;
-        None when neither says how many GPUs a host has."""
+        None when neither says how many GPUs a host has. The measured duplex factors describe the
+        measured link: a given `inter_bandwidth_Bps` (another network) leaves them out."""
         gpus_per_host = given.get("gpus_per_host")
         chosen = {k: v for k, v in given.items() if v is not None and k != "gpus_per_host"}
         if gpus_per_host is None:
@@ -115,11 +130,18 @@ class Cluster:
                         "--gpus-per-host G (or set gpus_per_host in the profile's network section)"
                     )
                 return None
+        measured_link = "inter_bandwidth_Bps" not in chosen  # the duplex factors hold for it only
         if net.inter_host_bandwidth_Bps:
             chosen.setdefault("inter_bandwidth_Bps", net.inter_host_bandwidth_Bps)
         if net.inter_host_latency_s:
             chosen.setdefault("inter_latency_s", net.inter_host_latency_s)
-        return cls(gpus_per_host=gpus_per_host, **chosen)  # type: ignore[arg-type]
+        duplex = dict(net.inter_host_duplex) if measured_link else {}
+        return cls(gpus_per_host=gpus_per_host, duplex=duplex, **chosen)  # type: ignore[arg-type]
+
+    def duplex_factor(self, each_way: int) -> float:
+        """`duplex` for `each_way` streams each way (interpolated; beyond the counts measured, the
+        nearest; 1 where nothing was measured)."""
+        return slowdown_of(dict(self.duplex), each_way, one=None) if self.duplex else 1.0
 
     def replicas_sharing_cores(self, pipeline: int, data: int) -> int:
         """Replicas of a P x D shape whose busy stages share cores (`Sharing.replicas`): those one
@@ -169,6 +191,13 @@ class Links:
         """Seconds one transfer across the boundary keeps its link busy (the simulator's
         `link_busy`): `p2p`, times the replicas that share the link where it crosses hosts."""
         return self.p2p(boundary, nbytes, to) * max(1, self.sharing(boundary, to))
+
+    def duplex(self, boundary: int) -> float:
+        """How many times longer a transfer across the boundary takes while the opposite direction
+        is busy too (`Cluster.duplex_factor` for the replicas sharing the crossing); 1 inside a host
+        or where nothing was measured."""
+        k = self.sharing(boundary)
+        return self.cluster.duplex_factor(k) if k and self.cluster is not None else 1.0
 
     def sharing(self, boundary: int, to: int | None = None) -> int:
         """The most replicas whose transfer from position `boundary` to `to` (default `boundary` + 1)

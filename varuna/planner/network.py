@@ -93,6 +93,12 @@ class NetworkCost:
     """Seconds of a minimal message between hosts; 0: not given (`cluster.INTER_LATENCY_S`)."""
     inter_host_bandwidth_Bps: float = 0.0
     """Bytes per second of one host's network to the others; 0: not given (`cluster.INTER_BANDWIDTH_BPS`)."""
+    inter_host_duplex: dict[int, float] = field(default_factory=dict)
+    """k -> how many times longer k streams of messages from one host to another take while k
+    others go the opposite way than alone (measured by the profile across hosts; {}: not measured,
+    1). On a link that queues data behind a rate limit, one direction's acknowledgements wait
+    behind the other direction's data; the planner stretches a pipeline's crossings by it as far as
+    the opposite direction is busy (`varuna.planner.search`)."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.p2p_latency_s) or self.p2p_latency_s < 0:
@@ -130,6 +136,12 @@ class NetworkCost:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"NetworkCost.{name} = {value!r}; give a number >= 0 (0: not given)")
+        for k, factor in self.inter_host_duplex.items():
+            if not isinstance(k, int) or k < 1 or not math.isfinite(factor) or factor <= 0:
+                raise ConfigError(
+                    f"NetworkCost.inter_host_duplex[{k!r}] = {factor!r}; give streams each way >= 1 "
+                    "with a factor > 0 (1: both ways at once cost nothing extra)"
+                )
         for kind, seconds in self.message_s.items():
             if kind not in MESSAGE_KINDS or not math.isfinite(seconds) or seconds < 0:
                 raise ConfigError(
@@ -194,6 +206,7 @@ class NetworkCost:
             "gpus_per_host": self.gpus_per_host,
             "inter_host_latency_s": self.inter_host_latency_s,
             "inter_host_bandwidth_Bps": self.inter_host_bandwidth_Bps,
+            "inter_host_duplex": {str(k): f for k, f in sorted(self.inter_host_duplex.items())},
         }
 
     @classmethod
@@ -220,6 +233,10 @@ class NetworkCost:
             gpus_per_host=int(data.get("gpus_per_host", 0)),
             inter_host_latency_s=float(data.get("inter_host_latency_s", 0.0)),
             inter_host_bandwidth_Bps=float(data.get("inter_host_bandwidth_Bps", 0.0)),
+            inter_host_duplex={
+                k: float(f)
+                for k, f in int_keys(data.get("inter_host_duplex", {}), "inter_host_duplex").items()
+            },
         )
 
 

@@ -23,7 +23,11 @@ held micro-batch's stage input plus one micro-batch's full activations (the last
 recomputes, as in the runtime).
 
 At scale (`cluster`: hosts of several GPUs, `varuna.planner.cluster`) transfers and all-reduces
-that leave a host cost the network between hosts. The search stays fast where it provably gives
+that leave a host cost the network between hosts. A crossing carries activations one way and
+gradients the other; where the profile measured how much a link slows while both directions carry
+streams (`Cluster.duplex`), a step is simulated twice: the second time each crossing's transfers
+take the duplex factor for the share of the first step that the opposite direction was busy (M
+transfers of its busy time: each direction carries the same bytes). The search stays fast where it provably gives
 the same answer (`varuna.planner.fast`): each schedule's action lists are built once, stage
 boundaries and costs once per (P, micro-batch size), a configuration whose memory exceeds the limit
 already in its list order is rejected without simulating it, and schedules without pull-ahead are
@@ -46,7 +50,8 @@ from varuna.planner.fast import inflight_in_order, lowered
 from varuna.planner.memory import format_bytes, parse_memory, stage_memory
 from varuna.planner.result import Candidate, PlanResult, Rejected
 from varuna.planner.simulator import Sharing, StageCost, simulate_lowered
-from varuna.schedule import SCHEDULES, ScheduleName, schedule_spec
+from varuna.planner.timeline import Timeline
+from varuna.schedule import SCHEDULES, Schedule, ScheduleName, schedule_spec
 
 __all__ = [
     "PlanError",
@@ -353,6 +358,7 @@ class _Shape:
         self.link_busy = [
             links.p2p_busy(s, segs[r[-1]].activation_bytes[mbs]) for s, r in enumerate(stages[:-1])
         ]
+        self.duplex = [links.duplex(s) for s in range(len(stages) - 1)]
         self.reduce = [
             links.stage_allreduce(s, sum(segs[j].grad_bytes for j in r)) for s, r in enumerate(stages)
         ]
@@ -390,24 +396,23 @@ class _Shape:
     def evaluate(
         self, schedule: ScheduleName, recompute: bool, global_batch_size: int, split_backward: bool = True
     ) -> Candidate:
-        """Simulate `schedule` at this shape."""
+        """Simulate `schedule` at this shape (twice where a crossing's two directions slow each
+        other, `Links.duplex`: see the module docstring)."""
         microbatches = global_batch_size // (self.data * self.mbs)
-        timeline = simulate_lowered(
-            lowered(schedule, self.pipeline, microbatches, recompute=recompute, split=split_backward),
-            self.costs,
-            comm=self.comm,
-            link_busy=self.link_busy,
-            allreduce_s=self.reduce,
-            final_allreduce_s=self.final,
-            update_s=self.update,
-            sharing=self.sharing,
-            message_s=self.table.network.message_s,
-            sees_arrivals=self.table.network.reports_arrival,
-            opportunistic=schedule_spec(schedule).pull_ahead,
-            name=schedule,
-            num_microbatches=microbatches,
-            in_order=self.fast,
-        )
+        lists = lowered(schedule, self.pipeline, microbatches, recompute=recompute, split=split_backward)
+        timeline = self._simulate(schedule, lists, microbatches, self.comm, self.link_busy)
+        if any(f != 1.0 for f in self.duplex) and timeline.step_s > 0:
+            stretch = [
+                1.0 + (f - 1.0) * min(1.0, microbatches * busy / timeline.step_s)
+                for f, busy in zip(self.duplex, self.link_busy)
+            ]
+            timeline = self._simulate(
+                schedule,
+                lists,
+                microbatches,
+                [c * x for c, x in zip(self.comm, stretch)],
+                [b * x for b, x in zip(self.link_busy, stretch)],
+            )
         return Candidate(
             pipeline=self.pipeline,
             data=self.data,
@@ -421,6 +426,32 @@ class _Shape:
             bubble_fraction=timeline.bubble_fraction,
             memory_per_stage_bytes=self.memory(recompute, timeline.peak_inflight, split_backward),
             timeline=timeline,
+        )
+
+    def _simulate(
+        self,
+        schedule: ScheduleName,
+        lists: Schedule,
+        microbatches: int,
+        comm: list[float],
+        link_busy: list[float],
+    ) -> Timeline:
+        """One step of `lists` at this shape with these transfer and link-busy seconds per boundary."""
+        return simulate_lowered(
+            lists,
+            self.costs,
+            comm=comm,
+            link_busy=link_busy,
+            allreduce_s=self.reduce,
+            final_allreduce_s=self.final,
+            update_s=self.update,
+            sharing=self.sharing,
+            message_s=self.table.network.message_s,
+            sees_arrivals=self.table.network.reports_arrival,
+            opportunistic=schedule_spec(schedule).pull_ahead,
+            name=schedule,
+            num_microbatches=microbatches,
+            in_order=self.fast,
         )
 
 

@@ -364,6 +364,7 @@ def profile_network(
     device = _comm_device()
     latency, bandwidth = _p2p(rank, device, p2p_bytes, repeats)
     gpus_per_host, inter_latency, inter_bandwidth = _between_hosts(rank, device, p2p_bytes, repeats)
+    duplex = _duplex(rank, device, inter_bandwidth, repeats) if gpus_per_host else {}
     transfer = latency + MESSAGE_BYTES / bandwidth
     if serial_links(device, 1, "1f1b"):  # NCCL: the engine's links are not the early ones measured here
         messages: dict[str, float] = {}
@@ -393,6 +394,7 @@ def profile_network(
         gpus_per_host=gpus_per_host,
         inter_host_latency_s=inter_latency,
         inter_host_bandwidth_Bps=inter_bandwidth,
+        inter_host_duplex=duplex,
     )
 
 
@@ -418,3 +420,69 @@ def _between_hosts(rank: int, device: torch.device, nbytes: int, repeats: int) -
     peer = next(r for r, h in enumerate(hosts) if h != hosts[0])
     latency, bandwidth = _p2p(rank, device, nbytes, repeats, peer=peer)
     return counts[hosts[0]], latency, bandwidth
+
+
+DUPLEX_SECONDS = 0.05
+"""About how long one message of the duplex measurement (`_duplex`) takes alone on the link between
+hosts: long enough that the link, not the latency, sets its time."""
+DUPLEX_MESSAGES = 4
+"""Messages each flow of the duplex measurement sends back to back, as a stage sends its micro-batches."""
+
+
+def _duplex(rank: int, device: torch.device, bandwidth: float, repeats: int) -> dict[int, float]:
+    """k -> how many times longer k flows between two hosts take while k other flows go the other
+    way than while the link carries them alone (`NetworkCost.inter_host_duplex`), for k = 1 .. ranks
+    per host; the same on every rank.
+
+    A pipeline whose stages sit on different hosts sends activations one way and gradients the
+    other, each direction on a process group of its own (`varuna.comm.p2p`), and so here: flow i
+    goes from the i-th rank of the first host to the i-th rank of another, the opposite flow back,
+    each a stream of `DUPLEX_MESSAGES` messages of about `DUPLEX_SECONDS` at the measured
+    `bandwidth` (64 KiB to 4 MiB). On a link that queues data behind a rate limit (a shaped or busy
+    Ethernet link), one direction's acknowledgements wait behind the other direction's data, so
+    both slow down although each direction has its own bandwidth. The figure is the ratio of the
+    mean times until every flow is done, over 2 x `repeats` rounds of each pattern."""
+    hosts = [h for h, _ in host_layout()]
+    a = [r for r, h in enumerate(hosts) if h == hosts[0]]
+    other = next(h for h in hosts if h != hosts[0])
+    b = [r for r, h in enumerate(hosts) if h == other]
+    forward, backward = dist.new_group(), dist.new_group()  # collective: every rank creates both
+    nbytes = int(min(max(DUPLEX_SECONDS * bandwidth, 2**16), 2**22))
+    out = torch.zeros(max(nbytes // 4, 1), device=device)
+    into = [torch.empty_like(out) for _ in range(2 * DUPLEX_MESSAGES)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    done = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def streams(flows: list[tuple[int, int]]) -> float:
+        """Seconds from a common start until every flow (sender, receiver) has delivered its stream."""
+        dist.barrier()
+        start = time.perf_counter()
+        works = []
+        for src, dst in flows:
+            group = forward if src in a else backward
+            if src == rank:
+                works += [dist.isend(out, dst, group=group) for _ in range(DUPLEX_MESSAGES)]
+            if dst == rank:
+                slots = into[:DUPLEX_MESSAGES] if src in a else into[DUPLEX_MESSAGES:]
+                works += [dist.irecv(x, src, group=group) for x in slots]
+        for work in works:
+            if work is not None:  # None: not this rank's group (never here, every rank is in both)
+                work.wait()
+        sync()
+        done[0] = time.perf_counter() - start
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        return float(done[0])
+
+    factors = {}
+    for k in range(1, min(len(a), len(b)) + 1):
+        one_way = [(a[i], b[i]) for i in range(k)]
+        both_ways = one_way + [(b[i], a[i]) for i in range(k)]
+        streams(both_ways)  # warm-up: the groups' connections
+        alone, beside = [], []
+        for _ in range(2 * repeats):
+            alone.append(streams(one_way))
+            beside.append(streams(both_ways))
+        factors[k] = statistics.fmean(beside) / statistics.fmean(alone)
+    dist.destroy_process_group(forward)
+    dist.destroy_process_group(backward)
+    return factors

@@ -128,6 +128,7 @@ def network_summary(network: NetworkCost) -> dict[str, Any]:
         "inter_host_latency_us": round(network.inter_host_latency_s * 1e6, 1),
         "intra_host_mbit": round(network.p2p_bandwidth_Bps * 8 / 1e6, 1),
         "intra_host_latency_us": round(network.p2p_latency_s * 1e6, 1),
+        "inter_host_duplex": {str(k): round(f, 3) for k, f in sorted(network.inter_host_duplex.items())},
     }
 
 
