@@ -164,6 +164,15 @@ def _candidate(P: int, D: int, placement: str, step_s: float) -> SimpleNamespace
     )
 
 
+def _ranking(*steps: float) -> SimpleNamespace:
+    """A planner's ranking of 4x1 block, 2x2 cyclic, 4x1 cyclic, 2x2 block and 1x4 with these
+    predicted steps, in the order of the steps."""
+    shapes = [(4, 1, "block"), (2, 2, "cyclic"), (4, 1, "cyclic"), (2, 2, "block"), (1, 4, "block")]
+    return SimpleNamespace(
+        ranked=sorted((_candidate(*sh, t) for sh, t in zip(shapes, steps)), key=lambda c: c.predicted_step_s)
+    )
+
+
 def _measured(shape: str, placement: str | None, planner_placement: str, step_s: float) -> dict:
     return {
         "system": "varuna",
@@ -193,15 +202,7 @@ NETWORK = SimpleNamespace(
 
 
 def test_the_pick_is_held_against_the_best_measured_varuna_shape_of_its_placement() -> None:
-    ranking = SimpleNamespace(  # the planner's order: 4x1 first, then the stages-across-hosts 2x2
-        ranked=[
-            _candidate(4, 1, "block", 0.22),
-            _candidate(2, 2, "cyclic", 0.23),
-            _candidate(4, 1, "cyclic", 0.3),
-            _candidate(2, 2, "block", 0.44),
-            _candidate(1, 4, "block", 0.45),
-        ]
-    )
+    ranking = _ranking(0.22, 0.23, 0.3, 0.44, 0.45)  # 4x1 first, then the stages-across-hosts 2x2
     judged = judge_point(ranking, RESULTS, NETWORK)  # type: ignore[arg-type]
     pick = judged["planner"]
     assert pick["shape"] == [4, 1] and pick["placement"] == "block"
@@ -248,24 +249,10 @@ def test_each_measured_configuration_is_priced_with_the_compute_of_the_job_that_
     results = [
         {**r, "job": "alternate" if r["placement"] == "stages-across-hosts" else "blocks"} for r in RESULTS
     ]
-    picking = SimpleNamespace(  # the network-profiling job's ranking: it picks the stages-across-hosts 2x2
-        ranked=[
-            _candidate(2, 2, "cyclic", 0.23),
-            _candidate(4, 1, "block", 0.24),
-            _candidate(4, 1, "cyclic", 0.3),
-            _candidate(2, 2, "block", 0.44),
-            _candidate(1, 4, "block", 0.45),
-        ]
-    )
-    alternate = SimpleNamespace(  # the host was slower while the alternate job measured: another order
-        ranked=[
-            _candidate(4, 1, "block", 0.26),
-            _candidate(2, 2, "cyclic", 0.25),
-            _candidate(4, 1, "cyclic", 0.33),
-            _candidate(2, 2, "block", 0.48),
-            _candidate(1, 4, "block", 0.49),
-        ]
-    )
+    # the network-profiling job's ranking picks the stages-across-hosts 2x2; the host was slower
+    # while the alternate job measured, and its ranking has another order
+    picking = _ranking(0.24, 0.23, 0.3, 0.44, 0.45)
+    alternate = _ranking(0.26, 0.25, 0.33, 0.48, 0.49)
     by_job = {"blocks": picking, "alternate": alternate}
     judged = judge_point(picking, results, NETWORK, by_job)  # type: ignore[arg-type]
     pick = judged["planner"]
@@ -288,7 +275,7 @@ def test_each_measured_configuration_is_priced_with_the_compute_of_the_job_that_
     assert judged["predicted_vs_measured"] == 1.25
     # without the jobs' rankings every prediction is the pick's ranking's
     assert judge_point(picking, results, NETWORK)["predicted_vs_measured"] == pytest.approx(1.15)  # type: ignore[arg-type]
-    lacking = by_job | {"alternate": SimpleNamespace(ranked=alternate.ranked[:1])}
+    lacking = by_job | {"alternate": SimpleNamespace(ranked=alternate.ranked[1:])}  # no 2x2 cyclic
     with pytest.raises(ValueError, match="job 'alternate''s ranking has no 2x2 cyclic configuration"):
         judge_point(picking, results, NETWORK, lacking)  # type: ignore[arg-type]
 
