@@ -83,6 +83,13 @@ def test_the_crossover_is_the_highest_rate_where_pipelining_beats_both() -> None
     assert won["crossover_mbit"] is None and won["crossover"]["pipelined_wins_unshaped"] is True
 
 
+def test_the_fast_rates_take_more_timed_steps() -> None:
+    bench = NetworkBench(steps=3, fast_steps=6, fast_from_mbit=200.0)
+    assert [bench.steps_at(r) for r in (None, 2000.0, 200.0, 50.0, 20.0)] == [6, 6, 6, 3, 3]
+    assert NetworkBench(steps=3).steps_at(None) == 3  # no fast_steps: the same at every rate
+    assert quick().steps_at(None) > quick().steps_at(20.0)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -100,6 +107,8 @@ def test_the_crossover_is_the_highest_rate_where_pipelining_beats_both() -> None
             r"partition 'even': use one of 'planner', 'balanced', 'fastest', 'uniform'",
         ),
         ({"profile_repeats": 0}, r"NetworkBench.profile_repeats must be a positive integer"),
+        ({"fast_steps": -1}, r"fast_steps must be >= 0 \(got -1; 0: `steps` at every rate\)"),
+        ({"fast_from_mbit": 0.0}, r"fast_from_mbit must be Mbit/s > 0 \(got 0.0\)"),
     ],
 )
 def test_bad_network_bench_settings_name_the_fix(change: dict, message: str) -> None:
@@ -375,7 +384,9 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
             for r in point["results"]:
                 assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"])
                 assert r["samples_per_s"] == pytest.approx(report["global_batch"] / r["step_s"], rel=1e-3)
-                assert len(r["timed_step_s"]) == bench.steps and len(r["warmup_step_s"]) == bench.warmup
+                # more timed steps at the fast rates (unshaped here) than at 20 Mbit/s
+                assert len(r["timed_step_s"]) == bench.steps_at(point["rate_mbit"]), (point["rate_mbit"], r)
+                assert len(r["warmup_step_s"]) == bench.warmup
         # the ranks ran where each placement needs them: each rank's own host name
         placements = report["placements_verified"]
         assert placements["replicas-across-hosts"]["rank_hosts"] == ["h2", "h2", "h3", "h3"]

@@ -49,8 +49,9 @@ measure one after the other (`varuna.bench.network.rates`), so that the two 2x2 
 measured seconds apart, not a whole job apart (a shared host's speed drifts over minutes). Within
 a job the systems alternate step by step. While one job measures, the other's ranks only poll a
 file. A step is timed from a barrier to the end of the optimizer step, the slowest rank's; step_s
-is the median of the timed steps after the warm-up, samples/s the global batch over it. Before the
-steps of each rate rank 0 sends a probe to a rank on the other host and back (`link_mbit_seen`: the
+is the median of the timed steps after the warm-up (`fast_steps` of them at the fast rates, where
+steps are short and the host's noise weighs most, `steps` at the others), samples/s the global
+batch over it. Before the steps of each rate rank 0 sends a probe to a rank on the other host and back (`link_mbit_seen`: the
 rate gloo gets, the check that the shaping holds, and what "unshaped" is on this machine).
 
 `crossover_mbit` is the highest shaped rate at which Varuna's best pipelined shape (2x2 either
@@ -167,6 +168,11 @@ class NetworkBench:
     """Untimed steps per system at each rate (the first after a rate change)."""
     steps: int = 3
     """Timed steps per system at each rate; step_s is their median."""
+    fast_steps: int = 0
+    """Timed steps per system at the fast rates (unshaped and at least `fast_from_mbit`), where a step
+    takes a second or two and the host's noise moves a median of few steps most; 0: `steps` there too."""
+    fast_from_mbit: float = 200.0
+    """The slowest shaped rate that counts as fast for `fast_steps`, in Mbit/s."""
     jobs: tuple[str, ...] = tuple(JOBS)
     """Which of `JOBS` to run."""
     job_timeout_s: float = 600.0
@@ -177,6 +183,12 @@ class NetworkBench:
         require_positive(self, "global_batch_size", "micro_batch_size", "steps", "profile_repeats")
         if self.warmup < 0:
             raise ConfigError(f"NetworkBench.warmup must be >= 0 (got {self.warmup})")
+        if self.fast_steps < 0:
+            raise ConfigError(
+                f"NetworkBench.fast_steps must be >= 0 (got {self.fast_steps}; 0: `steps` at every rate)"
+            )
+        if not self.fast_from_mbit > 0:
+            raise ConfigError(f"NetworkBench.fast_from_mbit must be Mbit/s > 0 (got {self.fast_from_mbit})")
         if self.global_batch_size % (RANKS * self.micro_batch_size):
             raise ConfigError(
                 f"NetworkBench.global_batch_size ({self.global_batch_size}) must be a multiple of "
@@ -200,6 +212,12 @@ class NetworkBench:
         if n_layer < RANKS:
             raise ConfigError(f"the 4x1 shape needs at least 4 pieces to cut; the model has {n_layer}")
 
+    def steps_at(self, rate: float | None) -> int:
+        """Timed steps per system at `rate` Mbit/s (None: unshaped): `fast_steps` at the fast rates
+        where given, else `steps`."""
+        fast = rate is None or rate >= self.fast_from_mbit
+        return self.fast_steps if fast and self.fast_steps else self.steps
+
 
 PARTITIONS = ("planner", "balanced", "fastest", "uniform")
 """`NetworkBench.partition`'s choices."""
@@ -209,20 +227,22 @@ UNTIED = {"tie_embeddings": False, "cut_inside_blocks": True}
 def full() -> NetworkBench:
     """A GPT of vocab 2048, seq 32, d_model 192, 8 blocks (4.35M parameters: 16.6 MiB of gradients
     against 24 KiB of activations per sample at a stage boundary), global batch 256 in micro-batches
-    of 16; unshaped, then 2000, 1000, 500, 200, 50 and 20 Mbit/s."""
+    of 16; unshaped, then 2000, 1000, 500, 200, 50 and 20 Mbit/s; 6 timed steps per system from
+    200 Mbit/s up, 3 below."""
     model = {"vocab_size": 2048, "seq_len": 32, "d_model": 192, "n_layer": 8, "n_head": 6} | UNTIED
     return NetworkBench(
         model=model,
         global_batch_size=256,
         micro_batch_size=16,
         rates=(None, 2000.0, 1000.0, 500.0, 200.0, 50.0, 20.0),
-        job_timeout_s=840.0,
+        fast_steps=6,
+        job_timeout_s=1200.0,
     )
 
 
 def quick() -> NetworkBench:
     """A tiny GPT (vocab 2048, seq 16, d_model 64, 2 blocks), batch 16 in micro-batches of 2;
-    unshaped and 20 Mbit/s, 1 + 2 steps, a profile of 2 timed passes."""
+    unshaped and 20 Mbit/s, 1 + 3 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes."""
     model = {"vocab_size": 2048, "seq_len": 16, "d_model": 64, "n_layer": 2, "n_head": 2} | UNTIED
     return NetworkBench(
         model=model,
@@ -230,6 +250,7 @@ def quick() -> NetworkBench:
         micro_batch_size=2,
         rates=(None, 20.0),
         steps=2,
+        fast_steps=3,
         profile_repeats=2,
         job_timeout_s=150.0,
     )
@@ -306,7 +327,8 @@ def _prepare(
         "gauge_repeats": bench.profile_repeats,
         "rates": len(bench.rates),
         "warmup": bench.warmup,
-        "steps": bench.steps,
+        "steps": max(bench.steps_at(r) for r in bench.rates),
+        "steps_per_rate": [bench.steps_at(r) for r in bench.rates],
         "control": str(folder / "rates"),
         "rate_wait_s": bench.job_timeout_s,  # the other jobs' turns: the job's own timeout bounds it
         "out": str(folder / "result.json"),
@@ -515,8 +537,8 @@ def _assemble(
         }
     spread = 0.0
     for report in jobs.values():
-        for point in report["points"]:
-            for k in range(report["batches"]):
+        for point in report["points"]:  # the steps of each point (more at the fast rates)
+            for k in range(min(len(s["losses"]) for s in point["systems"].values())):
                 losses = [s["losses"][k] for s in point["systems"].values()]
                 spread = max(spread, max(losses) - min(losses))
     first = [s["losses"][0] for r in jobs.values() for s in r["points"][0]["systems"].values()]
@@ -592,6 +614,8 @@ def run(bench: NetworkBench, out: Path) -> dict[str, Any]:
         "optimizer": "AdamW",
         "warmup_steps": bench.warmup,
         "timed_steps": bench.steps,
+        "timed_steps_fast": bench.fast_steps or bench.steps,
+        "fast_from_mbit": bench.fast_from_mbit,
         "hosts": {
             "workers": list(WORKERS),
             "ranks_per_host": RANKS // len(WORKERS),

@@ -242,7 +242,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             point["network_profile_s"] = time.perf_counter() - t1
         if gauged:
             before = compute_gauge(gauge_model, batches[0], spec)
-        measured = measure(runners, batches)
+        steps = spec.get("steps_per_rate", [spec["steps"]] * spec["rates"])[index]
+        measured = measure(runners, batches[: warmup + steps])
         if gauged:  # the host's speed while the systems ran: the mean of a gauge on either side
             point["compute_s"] = (before + compute_gauge(gauge_model, batches[0], spec)) / 2
         for key, m in measured.items():
