@@ -141,7 +141,7 @@ class Cluster:
     def duplex_factor(self, each_way: int) -> float:
         """`duplex` for `each_way` streams each way (interpolated; beyond the counts measured, the
         nearest; 1 where nothing was measured)."""
-        return slowdown_of(dict(self.duplex), each_way, one=None) if self.duplex else 1.0
+        return slowdown_of(self.duplex, each_way, one=None) if self.duplex else 1.0
 
     def replicas_sharing_cores(self, pipeline: int, data: int) -> int:
         """Replicas of a P x D shape whose busy stages share cores (`Sharing.replicas`): those one

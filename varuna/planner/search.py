@@ -27,11 +27,11 @@ that leave a host cost the network between hosts. A crossing carries activations
 gradients the other; where the profile measured how much a link slows while both directions carry
 streams (`Cluster.duplex`), a step is simulated twice: the second time each crossing's transfers
 take the duplex factor for the share of the first step that the opposite direction was busy (M
-transfers of its busy time: each direction carries the same bytes). The search stays fast where it provably gives
-the same answer (`varuna.planner.fast`): each schedule's action lists are built once, stage
-boundaries and costs once per (P, micro-batch size), a configuration whose memory exceeds the limit
-already in its list order is rejected without simulating it, and schedules without pull-ahead are
-timed stage by stage. `fast=False` simulates everything event by event (the reference).
+transfers of its busy time: each direction carries the same bytes). The search stays fast where it
+provably gives the same answer (`varuna.planner.fast`): each schedule's action lists are built
+once, stage boundaries and costs once per (P, micro-batch size), a configuration whose memory
+exceeds the limit already in its list order is rejected without simulating it, and schedules
+without pull-ahead are timed stage by stage. `fast=False` simulates everything event by event (the reference).
 """
 
 from __future__ import annotations

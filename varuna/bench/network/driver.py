@@ -51,8 +51,9 @@ a job the systems alternate step by step. While one job measures, the other's ra
 file. A step is timed from a barrier to the end of the optimizer step, the slowest rank's; step_s
 is the median of the timed steps after the warm-up (`fast_steps` of them at the fast rates, where
 steps are short and the host's noise weighs most, `steps` at the others), samples/s the global
-batch over it. Before the steps of each rate rank 0 sends a probe to a rank on the other host and back (`link_mbit_seen`: the
-rate gloo gets, the check that the shaping holds, and what "unshaped" is on this machine).
+batch over it. Before the steps of each rate rank 0 sends a probe to a rank on the other host and
+back (`link_mbit_seen`: the rate gloo gets, the check that the shaping holds, and what "unshaped"
+is on this machine).
 
 `crossover_mbit` is the highest shaped rate at which Varuna's best pipelined shape (2x2 either
 placement, or 4x1) beats both Varuna 1x4 and DDP (null if it beats them at none); `crossover` says
