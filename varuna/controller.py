@@ -19,7 +19,10 @@ the run directory (the agent's state and notes; the intents it writes) and to th
 they PUSH signed events to this process's PULL socket and SUBscribe to its PUB socket for commands (bound
 to loopback, or when the hostfile names other hosts to the address routing toward them, unless `interface=`
 says otherwise; see varuna.telemetry.events). The key reaches the agent and the ranks in their environment
-only, kept for `attach` in controller.json (0600). A thread notes `rank_silent`/`rank_back` as ranks'
+only, kept for `attach` in controller.json (0600). A stop (`stop`, `resize`) goes both ways: the command,
+heard at the end of the step, and a stop file (`varuna.launch.notices`) rank 0 reads within half a
+second, because a PUB socket drops what it sends before a rank's SUB has (re)connected, as it has not
+yet for a moment after `attach` binds the addresses again. A thread notes `rank_silent`/`rank_back` as ranks'
 heartbeats stop and resume (varuna.telemetry.heartbeat); another `host_dead` when every rank of a host
 went silent, and the agent relaunches without it (varuna.elastic.hosts; `error` names the host). Stragglers
 are detected in the launcher (`varuna.telemetry.straggler_watch`), which records its events in
@@ -48,6 +51,7 @@ from varuna.errors import ConfigError, LaunchError, check_int
 from varuna.launch.exclude import write_without
 from varuna.launch.job import Job
 from varuna.launch.launches import ConsoleTail, DeadRank, FileTail, LaunchView
+from varuna.launch.notices import post_stop
 from varuna.launch.pids import check_status
 from varuna.planner.cluster import Placement
 from varuna.telemetry import events as _events
@@ -472,7 +476,7 @@ class JobController(StoreViews):
         self._intent("stop")
         with self._lock:
             self._overlay = ("checkpointing", launch.job_id)
-        self._send("stop", checkpoint=True)
+        self._ask_stop(launch.job_id)
         if self.wait(timeout) not in TERMINAL:
             self._intent("terminate")
         return self.wait(timeout)
@@ -499,8 +503,15 @@ class JobController(StoreViews):
         self._intent("resize")
         with self._lock:
             self._overlay = ("morphing", launch.job_id)
-        self._send("stop", checkpoint=True, reason="resize")
+        self._ask_stop(launch.job_id, reason="resize")
         return self.state
+
+    def _ask_stop(self, job: str, reason: str = "stop") -> None:
+        """Ask launch `job` to checkpoint and exit at the end of a step: the command, which a rank
+        hears at once when its SUB socket is connected, and a stop file for it, which rank 0 reads
+        even when the command was dropped (a rank still reconnecting after an attach)."""
+        self._send("stop", checkpoint=True, reason=reason)
+        post_stop(self.run_dir, reason="controller", job=job)
 
     def shape_for(self, gpus: int) -> ShapeChoice:
         """The P x D `resize(gpus=N)` would ask for, and how it was chosen: the planner when the run

@@ -1,9 +1,10 @@
 """A job outlives the process that started it: its agent (varuna/elastic/agent.py) runs the launches.
 
 The process that calls `JobController.start` is SIGKILLed mid-run, as a crashing notebook kernel would
-be. The job goes on; a new `Workbench.attach` (over `JobController.attach`) resizes it to another shape, stops it and
-resumes it in a third,
-and the job finishes its steps with none lost and none run twice.
+be. The job goes on; a new `Workbench.attach` (over `JobController.attach`) resizes it to another shape
+(its stop command lost on the way, as one sent before a rank's SUB socket reconnected is: the stop file
+carries it), stops it and resumes it in a third, and the job finishes its steps with none lost and none
+run twice.
 """
 
 from __future__ import annotations
@@ -89,7 +90,16 @@ def test_the_job_outlives_its_starter_and_an_attach_steers_it(tmp_path: Path) ->
         count = ctl.store.count
         assert wait_for(lambda: ctl.store.count > count + 2, 20), "no live events after the attach"
 
+        # A rank's SUB socket may not have reconnected yet, and its PUB drops the command unheard:
+        # drop it here for certain; the stop file the resize also writes must carry it.
+        assert ctl._channel is not None
+        send, dropped = ctl._channel.send, []
+        ctl._channel.send = lambda cmd, **fields: (
+            dropped.append(cmd) if cmd == "stop" else send(cmd, **fields)
+        )
         wb.resize(1, 2)
+        ctl._channel.send = send
+        assert dropped == ["stop"]
         assert wait_for(lambda: ctl.job is not first and ctl.state == "running", 90), ctl.console.lines
         assert (ctl.job.pipeline, ctl.job.data) == (1, 2)
         resized_at = max(step_counts(run_dir))
