@@ -2,15 +2,13 @@
 
 On a CPU host with fewer cores than ranks this is about n / cores; the planner reads it as
 `CostTable.compute_slowdown` (see `varuna.planner.sharing`). `varuna.profile.measure` re-exports it.
-`loaded_pass_s` is the pass time itself with every rank busy: how fast a whole job computes now.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +19,7 @@ from varuna.comm.rendezvous import host_layout
 from varuna.cut.cutpoint import model_loss
 from varuna.profile.passes import device_of, micro_batch, preserved
 
-__all__ = ["measure_slowdown", "loaded_pass_s", "shared_pass_s"]
+__all__ = ["measure_slowdown"]
 
 
 def measure_slowdown(
@@ -54,59 +52,6 @@ def measure_slowdown(
     with fewer others; the bound replaces it then.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    factors: dict[int, list[float]] = {n: [] for n in range(1, world + 1)}
-    with _passes(model, example_batch, micro_batch_size) as one_pass:
-        box = [statistics.median(one_pass() for _ in range(3)) if rank == 0 else 0.0]
-        dist.broadcast_object_list(box, src=0)
-        lone = float(box[0])
-        for _ in range(rounds):
-            per_n = [shared_pass_s(one_pass, n, max(repeats, 1) * n * lone) for n in range(1, world + 1)]
-            for n in range(1, world + 1):
-                factors[n].append(per_n[n - 1] / per_n[0])
-    table = {n: statistics.median(f) for n, f in factors.items()}
-    return _at_least_time_sharing(table, host_layout())
-
-
-def loaded_pass_s(
-    model: nn.Module, example_batch: Mapping[str, Any], *, micro_batch_size: int = 1, seconds: float = 1.0
-) -> float:
-    """Collective: seconds of a forward+backward of a micro-batch of `micro_batch_size` rows through
-    `model` (each rank its own copy) while every rank runs it, passes back to back for about `seconds`
-    (`shared_pass_s` with every rank busy): the host's speed under the load of a whole job, as the
-    bench's compute gauge (`varuna.bench.network.worker`) takes it. Every rank gets the same figure;
-    gradients and RNG state are left as they were."""
-    with _passes(model, example_batch, micro_batch_size) as one_pass:
-        return shared_pass_s(one_pass, dist.get_world_size(), seconds)
-
-
-def shared_pass_s(one_pass: Callable[[], float], busy: int, seconds: float) -> float:
-    """Collective: ranks 0 .. `busy` - 1 run `one_pass` (which returns its own seconds) back to back
-    until `seconds` after a barrier, the others wait; the busy ranks' mean rate as seconds per pass
-    (the harmonic mean of their mean pass times). A pass still running at the deadline, when the
-    others may have stopped, is not counted (unless it is the only one). Every rank gets the figure."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dist.barrier()
-    mine = float("nan")
-    if rank < busy:
-        deadline = time.perf_counter() + seconds
-        times = []
-        while True:
-            t = one_pass()
-            if time.perf_counter() > deadline:
-                break
-            times.append(t)
-        mine = statistics.fmean(times) if times else t
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine)
-    return busy / sum(1.0 / x for x in every[:busy])
-
-
-@contextlib.contextmanager
-def _passes(
-    model: nn.Module, example_batch: Mapping[str, Any], micro_batch_size: int
-) -> Iterator[Callable[[], float]]:
-    """One timed forward+backward of `model` on a micro-batch (after a warm-up pass), with the
-    model's gradients and RNG state restored afterwards."""
     device = device_of(model)
     sync: Callable[[], None] = (
         (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -120,11 +65,35 @@ def _passes(
         sync()
         return time.perf_counter() - t0
 
+    factors: dict[int, list[float]] = {n: [] for n in range(1, world + 1)}
     with preserved(model):
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         one_pass()  # warm-up on every rank
-        yield one_pass
+        box = [statistics.median(one_pass() for _ in range(3)) if rank == 0 else 0.0]
+        dist.broadcast_object_list(box, src=0)
+        lone = float(box[0])
+        for _ in range(rounds):
+            per_n: list[float] = []
+            for n in range(1, world + 1):
+                dist.barrier()
+                mine = float("nan")
+                if rank < n:
+                    deadline = time.perf_counter() + max(repeats, 1) * n * lone
+                    times = []
+                    while True:
+                        t = one_pass()
+                        if time.perf_counter() > deadline:
+                            break
+                        times.append(t)
+                    mine = statistics.fmean(times) if times else t
+                every: list[Any] = [None] * world
+                dist.all_gather_object(every, mine)
+                per_n.append(n / sum(1.0 / x for x in every[:n]))  # the n ranks' mean rate
+            for n in range(1, world + 1):
+                factors[n].append(per_n[n - 1] / per_n[0])
+    table = {n: statistics.median(f) for n, f in factors.items()}
+    return _at_least_time_sharing(table, host_layout())
 
 
 def _at_least_time_sharing(table: dict[int, float], hosts: list[tuple[str, int]]) -> dict[int, float]:

@@ -38,9 +38,8 @@ placement) with its predicted step goes into each point beside the measured resu
 micro-batch size and schedule fixed to the bench's; Varuna's engines run the planner's cut
 (`partition="planner"`), so each measured Varuna shape is a configuration the planner prices.
 The host's speed drifts over minutes, so at each rate every job times the model's compute beside
-its own steps, with rank 0 alone (the worker's `compute_gauge`) and with every rank at once
-(`loaded_gauge`), and the profile's compute is scaled by the bench's `gauge` over the profile's own
-figure of it (`compute_factors`, one per job; both gauges' in `gauges`): the pick is made with the factor of the
+its own steps (the worker's `compute_gauge`), and the profile's compute is scaled by that gauge over
+the profile's own figure (`compute_factors`, one per job): the pick is made with the factor of the
 job that profiled the network, and each measured configuration's prediction is priced with the
 factor of the job that measured it.
 
@@ -175,12 +174,6 @@ class NetworkBench:
     takes a second or two and the host's noise moves a median of few steps most; 0: `steps` there too."""
     fast_from_mbit: float = 200.0
     """The slowest shaped rate that counts as fast for `fast_steps`, in Mbit/s."""
-    gauge: str = "lone"
-    """Which compute gauge scales the profile's compute at each point: "lone" (rank 0 alone, as the
-    profile times a segment) or "loaded" (every rank at once, `loaded_pass_s`, over the same taken
-    on either side of the profile). Both are measured and reported."""
-    loaded_gauge_s: float = 1.0
-    """Seconds of each loaded gauge (every rank running passes at once)."""
     jobs: tuple[str, ...] = tuple(JOBS)
     """Which of `JOBS` to run."""
     job_timeout_s: float = 600.0
@@ -195,10 +188,6 @@ class NetworkBench:
             raise ConfigError(
                 f"NetworkBench.fast_steps must be >= 0 (got {self.fast_steps}; 0: `steps` at every rate)"
             )
-        if self.gauge not in GAUGES:
-            raise ConfigError(f"NetworkBench.gauge {self.gauge!r}: use one of {', '.join(map(repr, GAUGES))}")
-        if not self.loaded_gauge_s > 0:
-            raise ConfigError(f"NetworkBench.loaded_gauge_s must be seconds > 0 (got {self.loaded_gauge_s})")
         if not self.fast_from_mbit > 0:
             raise ConfigError(f"NetworkBench.fast_from_mbit must be Mbit/s > 0 (got {self.fast_from_mbit})")
         if self.global_batch_size % (RANKS * self.micro_batch_size):
@@ -231,8 +220,6 @@ class NetworkBench:
         return self.fast_steps if fast and self.fast_steps else self.steps
 
 
-GAUGES = {"lone": "compute_s", "loaded": "loaded_compute_s"}
-"""`NetworkBench.gauge`'s choices: the key of each one's figure in a job's point and the profile's."""
 PARTITIONS = ("planner", "balanced", "fastest", "uniform")
 """`NetworkBench.partition`'s choices."""
 UNTIED = {"tie_embeddings": False, "cut_inside_blocks": True}
@@ -256,8 +243,7 @@ def full() -> NetworkBench:
 
 def quick() -> NetworkBench:
     """A tiny GPT (vocab 2048, seq 16, d_model 64, 2 blocks), batch 16 in micro-batches of 2;
-    unshaped and 20 Mbit/s, 1 + 3 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes,
-    loaded gauges of 0.3 s."""
+    unshaped and 20 Mbit/s, 1 + 3 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes."""
     model = {"vocab_size": 2048, "seq_len": 16, "d_model": 64, "n_layer": 2, "n_head": 2} | UNTIED
     return NetworkBench(
         model=model,
@@ -267,7 +253,6 @@ def quick() -> NetworkBench:
         steps=2,
         fast_steps=3,
         profile_repeats=2,
-        loaded_gauge_s=0.3,
         job_timeout_s=150.0,
     )
 
@@ -341,7 +326,6 @@ def _prepare(
         "systems": _systems(job),
         "profile_network": job.profiles_network,
         "gauge_repeats": bench.profile_repeats,
-        "loaded_gauge_s": bench.loaded_gauge_s,
         "rates": len(bench.rates),
         "warmup": bench.warmup,
         "steps": max(bench.steps_at(r) for r in bench.rates),
@@ -369,7 +353,6 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
         "global_batch_size": bench.global_batch_size,
         "micro_batch_size": bench.micro_batch_size,
         "repeats": bench.profile_repeats,
-        "loaded_gauge_s": bench.loaded_gauge_s,
         "warmup": 0,
         "steps": 1,
         "run_dir": str(folder),
@@ -385,8 +368,6 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
     if not path.exists():
         raise LaunchError(f"job {title} exited 0 but wrote no profile ({path}); see {folder / 'job.log'}")
     table = CostTable.load(path)
-    result = folder / "result.json"
-    loaded = json.loads(result.read_text()).get("loaded_compute_s") if result.exists() else None
     info = {
         "path": str(path),
         "ranks_on": list(PROFILE_SLOTS),
@@ -394,7 +375,6 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
         "repeats": bench.profile_repeats,
         "segments": table.num_segments,
         "microbatch_compute_s": round(forward_backward_s(table.segments, bench.micro_batch_size), 6),
-        "loaded_compute_s": None if loaded is None else round(loaded, 6),
         "compute_slowdown": {str(n): round(f, 3) for n, f in sorted(table.compute_slowdown.items())},
         "action_overhead_s": round(table.action_overhead_s, 6),
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -482,33 +462,22 @@ def _ranking(bench: NetworkBench, table: CostTable, network: NetworkCost, factor
     )
 
 
-def _factor(point: dict[str, Any], profile: dict[str, Any] | None, gauge: str) -> float | None:
-    """A job's compute factor at a point by `gauge` (a key of `GAUGES`): its figure there over the
-    profile's (the lone one is ``microbatch_compute_s``); None where either is missing."""
-    key = GAUGES[gauge]
-    now = point.get(key)
-    then = (profile or {}).get("microbatch_compute_s" if gauge == "lone" else key)
-    return now / then if now and then else None
-
-
 def _assemble(
     bench: NetworkBench,
     jobs: dict[str, dict[str, Any]],
     table: CostTable | None,
-    profile: dict[str, Any] | None = None,
+    profiled_compute_s: float | None = None,
 ) -> dict[str, Any]:
     """The report's points (one per rate, every system of every job, the planner's pick where a
     job profiled the network), the placements' check and the losses' agreement.
 
-    Where a job's point timed the model's compute with the bench's gauge (`GAUGES`: `compute_s`
-    alone, `loaded_compute_s` with every rank at once) and the `profile` (`_profile`'s report of it)
-    has the same gauge's figure, their ratio is that job's factor at the point (`compute_factors`;
-    every gauge's in `gauges`): the host's speed drifts over a run by more than the target's 10%,
-    and the jobs measure one after another. The planner ranks with the profile's compute scaled by
-    the network-profiling job's factor (the pick and its `compute_factor`); each measured
-    configuration's prediction is priced with the profile's compute scaled by the factor of the job
-    that measured it (`judge_point`'s `by_job`). A job without a gauge is priced with the profile's
-    compute as it is."""
+    Where a job's point timed the model's compute (`compute_s`) and the profile's own figure is
+    given (`profiled_compute_s`), their ratio is that job's factor at the point (`compute_factors`):
+    the host's speed drifts over a run by more than the target's 10%, and the jobs measure one after
+    another. The planner ranks with the profile's compute scaled by the network-profiling job's
+    factor (the pick and its `compute_factor`); each measured configuration's prediction is priced
+    with the profile's compute scaled by the factor of the job that measured it (`judge_point`'s
+    `by_job`). A job without a gauge is priced with the profile's compute as it is."""
     from varuna.planner.network import NetworkCost
 
     points = []
@@ -540,11 +509,10 @@ def _assemble(
         if table is not None and profiled:
             at = jobs[profiled[0]]["points"][i]
             network = NetworkCost.from_json(at["network"])
-            gauges = {
-                gauge: {name: _factor(report["points"][i], profile, gauge) for name, report in jobs.items()}
-                for gauge in GAUGES
-            }
-            factors = gauges[bench.gauge]
+            factors: dict[str, float | None] = {}
+            for name, report in jobs.items():
+                gauge = report["points"][i].get("compute_s")
+                factors[name] = gauge / profiled_compute_s if gauge and profiled_compute_s else None
             # jobs with the same factor (None: no gauge) share one plan
             rankings = {f: _ranking(bench, table, network, f) for f in set(factors.values())}
             by_job = {name: rankings[factor] for name, factor in factors.items()}
@@ -554,11 +522,6 @@ def _assemble(
             point["planner"]["compute_factor"] = None if factor is None else round(factor, 3)
             point["planner"]["compute_factors"] = {
                 name: None if f is None else round(f, 3) for name, f in factors.items()
-            }
-            point["planner"]["gauge"] = bench.gauge
-            point["planner"]["gauges"] = {
-                gauge: {name: None if f is None else round(f, 3) for name, f in by.items()}
-                for gauge, by in gauges.items()
             }
         points.append(point)
     placements = {}
@@ -627,7 +590,7 @@ def run(bench: NetworkBench, out: Path) -> dict[str, Any]:
         jobs = _run_jobs(bench, hosts, out, cuts)
     finally:
         hosts.down()
-    assembled = _assemble(bench, jobs, table, profile)
+    assembled = _assemble(bench, jobs, table, profile["microbatch_compute_s"])
     report: dict[str, Any] = {
         **assembled,
         "planner": summarize(assembled["points"])

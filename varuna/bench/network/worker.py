@@ -4,7 +4,7 @@
 
 SPEC.json (written by `varuna.bench.network.driver`) says the job's mode. "profile": the compute
 profile of the model for the planner (`run_profile` at the bench's micro-batch size; rank 0 writes
-RUN_DIR/profile.json, and the loaded gauge on either side of it to the output file). "measure": the model, the batch shape, the systems to build (each Varuna
+RUN_DIR/profile.json). "measure": the model, the batch shape, the systems to build (each Varuna
 shape P x D with its cut, DDP, torch.pipelining at P x D), whether to profile the network at each
 rate, the number of link rates, the step counts, the folder of the rate handshake
 (`varuna.bench.network.rates`) and the output file. Every system is built once, while the link is
@@ -13,8 +13,7 @@ that rate (the parent shapes the link and lets the bench's jobs measure one afte
 the link, profiles the network if asked (`profile_network`: what the planner decides with), times
 the model's compute on rank 0 before and after the systems' steps where `gauge_repeats` > 0
 (`compute_gauge`: the host's speed while this job measured at that rate, with which the planner
-prices this job's configurations) and with every rank at once where `loaded_gauge_s` > 0
-(`loaded_gauge`: the host's speed under a whole job's load), and every system runs `warmup` + `steps` steps on the same global
+prices this job's configurations), and every system runs `warmup` + `steps` steps on the same global
 batches, the systems alternating step by step (a shared host's speed drifts; adjacent steps see the
 same host). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
 its time is the slowest rank's.
@@ -168,43 +167,21 @@ def _global_loss(kind: str, per_rank: list[float | None]) -> float:
     return statistics.fmean(held) if kind in ("ddp", "torch.pipelining") else held[0]
 
 
-def profile(spec: dict[str, Any]) -> dict[str, Any]:
+def profile(spec: dict[str, Any]) -> None:
     """The compute profile for the planner, on every rank: `run_profile` of the bench's model at
     its micro-batch size (with the network, the slowdown of ranks sharing cores and the runtime's
-    cost per action); rank 0 writes ``spec["run_dir"]/profile.json``. Where ``loaded_gauge_s`` > 0,
-    the loaded gauge (`loaded_gauge`) on either side of it: its mean is returned as
-    ``loaded_compute_s``, the reference the measuring jobs' gauges are taken over."""
+    cost per action); rank 0 writes ``spec["run_dir"]/profile.json``."""
     from varuna import Varuna
     from varuna.profile.measure import run_profile
 
-    model, batch = build_model(spec["model"]), global_batches(spec)[0]
-    before = loaded_gauge(model, batch, spec)
     run_profile(
-        model,
-        batch,
+        build_model(spec["model"]),
+        global_batches(spec)[0],
         micro_batch_sizes=[spec["micro_batch_size"]],
         repeats=spec["repeats"],
         run_dir=spec["run_dir"],
         progress=False,
         engine=Varuna,
-    )
-    after = loaded_gauge(model, batch, spec)
-    return {"loaded_compute_s": None if before is None or after is None else (before + after) / 2}
-
-
-def loaded_gauge(
-    model: torch.nn.Module | None, batch: dict[str, Tensor], spec: dict[str, Any]
-) -> float | None:
-    """Collective: seconds of forward + backward of one micro-batch through the whole model while
-    every rank runs it on its own copy for ``loaded_gauge_s`` seconds (`loaded_pass_s`): the host's
-    speed under a whole job's load, where `compute_gauge` times one rank alone. None where the spec
-    asks for none."""
-    if spec.get("loaded_gauge_s", 0) <= 0 or model is None:
-        return None
-    from varuna.profile.slowdown import loaded_pass_s
-
-    return loaded_pass_s(
-        model, batch, micro_batch_size=spec["micro_batch_size"], seconds=spec["loaded_gauge_s"]
     )
 
 
@@ -238,7 +215,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     from varuna.profile.network import profile_network
 
     if spec["mode"] == "profile":
-        return profile(spec)
+        profile(spec)
+        return None
 
     rank, _ = init_distributed()
     hosts = gather(socket.gethostname())
@@ -246,8 +224,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     batches = global_batches(spec)
     runners = build(spec, batches[0])
     gauged = spec.get("gauge_repeats", 0) > 0
-    loaded = spec.get("loaded_gauge_s", 0) > 0
-    gauge_model = build_model(spec["model"]) if (gauged and rank == 0) or loaded else None
+    gauge_model = build_model(spec["model"]) if gauged and rank == 0 else None
     kinds = {system_key(s): s["system"] for s in spec["systems"]}
     control = Path(spec["control"])
     points = []
@@ -263,18 +240,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             t1 = time.perf_counter()
             point["network"] = profile_network(p2p_bytes=network_probe_bytes(rate)).to_json()
             point["network_profile_s"] = time.perf_counter() - t1
-        lone_model = gauge_model if rank == 0 else None
         if gauged:
-            before = compute_gauge(lone_model, batches[0], spec)
-        loaded_before = loaded_gauge(gauge_model, batches[0], spec)
+            before = compute_gauge(gauge_model, batches[0], spec)
         steps = spec.get("steps_per_rate", [spec["steps"]] * spec["rates"])[index]
         measured = measure(runners, batches[: warmup + steps])
-        # the host's speed while the systems ran: the mean of a gauge on either side
-        if gauged:
-            point["compute_s"] = (before + compute_gauge(lone_model, batches[0], spec)) / 2
-        loaded_after = loaded_gauge(gauge_model, batches[0], spec)
-        if loaded_before is not None and loaded_after is not None:
-            point["loaded_compute_s"] = (loaded_before + loaded_after) / 2
+        if gauged:  # the host's speed while the systems ran: the mean of a gauge on either side
+            point["compute_s"] = (before + compute_gauge(gauge_model, batches[0], spec)) / 2
         for key, m in measured.items():
             timed = m["step_s"][warmup:]
             point["systems"][key] = {
