@@ -8,8 +8,10 @@ targets.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -423,6 +425,11 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
         # each point priced with the compute timed beside its steps (the host drifts over a run); a
         # timing ratio, so only its presence is asserted, never its size
         factors = [p["planner"]["compute_factor"] for p in report["points"]]
+        for name in bench.jobs:  # timed before the first timed round and after each; their median
+            job = json.loads((Path(report["out"]) / f"job-{name}" / "result.json").read_text())
+            for rate, at in zip(bench.rates, job["points"], strict=True):
+                assert len(at["compute_gauges_s"]) == bench.steps_at(rate) + 1, at["compute_gauges_s"]
+                assert at["compute_s"] == pytest.approx(statistics.median(at["compute_gauges_s"]), abs=1e-5)
         assert all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in factors), factors
         # every job timed the compute beside its own steps at every rate, and each measured
         # configuration is priced with the factor of the job that measured it

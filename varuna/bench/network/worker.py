@@ -10,13 +10,14 @@ rate, the number of link rates, the step counts, the folder of the rate handshak
 (`varuna.bench.network.rates`) and the output file. Every system is built once, while the link is
 unshaped (so start-up traffic is not measured); then for each rate the job waits for its turn at
 that rate (the parent shapes the link and lets the bench's jobs measure one after another), probes
-the link, profiles the network if asked (`profile_network`: what the planner decides with), times
-the model's compute on rank 0 before and after the systems' steps where `gauge_repeats` > 0
-(`compute_gauge`: the host's speed while this job measured at that rate, with which the planner
-prices this job's configurations), and every system runs `warmup` + `steps` steps on the same global
+the link, profiles the network if asked (`profile_network`: what the planner decides with), and
+every system runs `warmup` + `steps` steps on the same global
 batches, the systems alternating step by step (a shared host's speed drifts; adjacent steps see the
 same host). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
-its time is the slowest rank's.
+its time is the slowest rank's. Where `gauge_repeats` > 0 rank 0 times the model's compute before
+the first timed round and after each (`RoundGauges`, `compute_gauge`): the host's speed while this
+job measured at that rate, their median `compute_s`, with which the planner prices this job's
+configurations.
 
 Every system trains the same GPT (same seed, so the same initial weights) on the same batches with
 AdamW, and every system has run the same steps at each point: their losses agree step by step.
@@ -28,6 +29,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -109,9 +111,14 @@ def build(spec: dict[str, Any], example: dict[str, Tensor]) -> dict[str, Runner]
     return runners
 
 
-def measure(runners: dict[str, Runner], batches: list[dict[str, Tensor]]) -> dict[str, Any]:
-    """Each system's step on each batch, the systems in turn (the order rotating each round); per
-    system its slowest rank's step times and the losses every rank returned."""
+def measure(
+    runners: dict[str, Runner],
+    batches: list[dict[str, Tensor]],
+    after_round: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Each system's step on each batch, the systems in turn (the order rotating each round), and
+    `after_round(k)` (collective) after round k where given; per system its slowest rank's step
+    times and the losses every rank returned."""
     import torch.distributed as dist
 
     names = list(runners)
@@ -123,6 +130,8 @@ def measure(runners: dict[str, Runner], batches: list[dict[str, Tensor]]) -> dic
             t0 = time.perf_counter()
             losses[name].append(runners[name].step(batch))
             step_s[name].append(time.perf_counter() - t0)
+        if after_round is not None:
+            after_round(k)
     every = gather({"step_s": step_s, "losses": losses})
     return {
         k: {
@@ -206,6 +215,21 @@ def compute_gauge(model: torch.nn.Module | None, batch: dict[str, Tensor], spec:
     return float(box[0])
 
 
+class RoundGauges:
+    """`measure`'s `after_round`: the compute gauge (`compute_gauge`) after the last untimed round
+    (``warmup - 1``; call it with -1 before the first round when there is none) and after each
+    timed round: the host's speed over the rounds (`seconds`), rather than only on either side of
+    them, as a shared host can slow down for a few rounds and recover."""
+
+    def __init__(self, model: torch.nn.Module | None, batch: dict[str, Tensor], spec: dict[str, Any]) -> None:
+        self.model, self.batch, self.spec = model, batch, spec
+        self.seconds: list[float] = []
+
+    def __call__(self, k: int) -> None:
+        if k >= self.spec["warmup"] - 1:
+            self.seconds.append(compute_gauge(self.model, self.batch, self.spec))
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The spec's mode: "profile" (`profile`), or "measure": build every system, then measure them
     all at each rate the parent sets; rank 0's report."""
@@ -240,12 +264,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             t1 = time.perf_counter()
             point["network"] = profile_network(p2p_bytes=network_probe_bytes(rate)).to_json()
             point["network_profile_s"] = time.perf_counter() - t1
-        if gauged:
-            before = compute_gauge(gauge_model, batches[0], spec)
         steps = spec.get("steps_per_rate", [spec["steps"]] * spec["rates"])[index]
-        measured = measure(runners, batches[: warmup + steps])
-        if gauged:  # the host's speed while the systems ran: the mean of a gauge on either side
-            point["compute_s"] = (before + compute_gauge(gauge_model, batches[0], spec)) / 2
+        gauges = RoundGauges(gauge_model, batches[0], spec) if gauged else None
+        if gauges is not None and warmup == 0:
+            gauges(-1)  # before the first timed round (else after the last untimed one)
+        measured = measure(runners, batches[: warmup + steps], gauges)
+        if gauges is not None:  # the median over the timed rounds, as a system's step_s is
+            point["compute_s"] = statistics.median(gauges.seconds)
+            point["compute_gauges_s"] = [round(g, 5) for g in gauges.seconds]
         for key, m in measured.items():
             timed = m["step_s"][warmup:]
             point["systems"][key] = {
