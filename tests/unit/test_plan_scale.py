@@ -418,6 +418,47 @@ def test_the_duplex_factors_travel_from_the_profile_to_each_crossing(tmp_path: P
         Cluster(gpus_per_host=2, duplex={0: 1.2})
 
 
+def test_a_cross_host_allreduce_follows_the_curve_the_profile_measured_across_the_hosts() -> None:
+    """A profile across two hosts of two measured its all-reduces of 4 ranks (one ring over both
+    hosts) and of 2 (two groups {0, 2}, {1, 3} at once, each across the hosts) 1.3 times slower
+    than the ring model says. The planner takes those curves for the same groups, scales the ring
+    model of another group across hosts by the measured ratio of its size, and leaves all-reduces
+    inside a host and clusters that are not the measured link as they were."""
+    ring4 = 1.5 * 2**24 / 1e6  # 2 (n-1)/n x bytes over the host's link, 2 ranks of the group per host
+    ring2 = 1.0 * 2**24 / (1e6 / 2)  # two groups share the host's link
+    curves = {4: [(4096, 1e-3), (2**24, 1.3 * ring4)], 2: [(4096, 1e-3), (2**24, 1.3 * ring2)]}
+    net = NetworkCost(
+        p2p_latency_s=5e-6,
+        p2p_bandwidth_Bps=10e9,
+        allreduce=curves,
+        allreduce_by_world={4: curves, 2: {2: [(4096, 1e-4), (2**24, 2e-3)]}},
+        gpus_per_host=2,
+        inter_host_bandwidth_Bps=1e6,
+        inter_host_latency_s=20e-6,
+    )
+    cluster = Cluster.from_network(net)
+    assert cluster is not None and cluster.measured_allreduce
+    plain = replace(cluster, measured_allreduce=False)  # the ring model alone
+    assert not Cluster.from_network(net, inter_bandwidth_Bps=2e6).measured_allreduce  # another network
+    assert not Cluster.from_network(net, gpus_per_host=4).measured_allreduce  # other hosts
+    one_host = replace(net, gpus_per_host=0, inter_host_bandwidth_Bps=0.0, inter_host_latency_s=0.0)
+    assert Cluster.from_network(one_host, gpus_per_host=2) == Cluster(gpus_per_host=2)  # measured inside one
+
+    def reduce(c: Cluster, p: int, d: int) -> float:
+        return Links(net, c, p, d).stage_allreduce(0, 2**24)
+
+    # the groups the profile measured: its curves, where the ring model is 1.3 times short
+    assert reduce(cluster, 1, 4) == pytest.approx(1.3 * ring4) and reduce(plain, 1, 4) == pytest.approx(
+        ring4, rel=1e-3
+    )
+    assert reduce(cluster, 2, 2) == pytest.approx(1.3 * ring2)
+    # another group of 4 across hosts (8 ranks on 4 hosts): the ring model times the measured ratio
+    assert reduce(cluster, 2, 4) == pytest.approx(reduce(plain, 2, 4) * 1.3, rel=1e-3)
+    assert reduce(cluster, 1, 8) == reduce(plain, 1, 8)  # no curve of 8 ranks: the ring model
+    cyclic = replace(cluster, placement="cyclic")  # 2x2 cyclic: each stage's replicas share a host
+    assert reduce(cyclic, 2, 2) == reduce(replace(cyclic, measured_allreduce=False), 2, 2)
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_crossing_busy_both_ways_is_stretched_as_far_as_the_other_way_is_busy(fast: bool) -> None:
     """2 x 2 cyclic on two hosts: activations cross one way and gradients the other. Where the link

@@ -20,7 +20,10 @@ rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks ea
   of the ring plus one latency per step of a hierarchical ring, 2(k-1) intra + 2(H-1) inter. Every
   group whose ring leaves a host shares that host's network: with g GPUs busy on a host and k of
   them in each group, g/k rings share `inter_bandwidth_Bps`, so a ring gets k/g of it (capped by
-  the intra-host bandwidth).
+  the intra-host bandwidth). Where the profile measured its all-reduces across these hosts
+  (`Cluster.measured_allreduce`), the ring model is scaled by the measured curve of the group's
+  size over the ring model of the profile's group of that size: the ring's two directions busy at
+  once, and whatever else it leaves out, as measured on this link.
 - Shared cores (a CPU profile's `compute_slowdown`): only the replicas on one host share its cores
   (G / P of them, at most D), not all D; all D where the hosts are namespaces of one machine
   (`Cluster.shared_cores`).
@@ -79,6 +82,13 @@ class Cluster:
     """k -> how many times longer k streams from one host to another take while k go the opposite
     way than alone (`NetworkCost.inter_host_duplex`, measured by the profile across hosts); {}: 1,
     each direction of a link as free as if the other were idle."""
+    measured_allreduce: bool = False
+    """Whether the profile's all-reduce curves were measured across these hosts, on the link this
+    cluster describes (a profile across hosts of `gpus_per_host` ranks each; `from_network` sets it
+    unless another bandwidth or host size is given): a cross-host all-reduce is then the ring model
+    times the measured curve of its group size over the same model of the profile's group
+    (`Links.allreduce`), which holds what the ring leaves out, such as both directions of the link
+    busy at once."""
     shared_cores: bool = False
     """Whether the hosts share one machine's cores (namespace hosts on one machine, as the tests and
     the network bench make them): then the busy stages of every replica slow each other down (a CPU
@@ -117,8 +127,9 @@ class Cluster:
     def from_network(cls, net: NetworkCost, **given: float | int | None) -> Cluster | None:
         """The cluster of a profile's network (`NetworkCost.gpus_per_host` and the inter-host
         fields), with `given` (the same names as the fields; None: not given) taking precedence;
-        None when neither says how many GPUs a host has. The measured duplex factors describe the
-        measured link: a given `inter_bandwidth_Bps` (another network) leaves them out."""
+        None when neither says how many GPUs a host has. The measured duplex factors and all-reduce
+        curves describe the measured link: a given `inter_bandwidth_Bps` (another network) leaves them
+        out, and another `gpus_per_host` the curves (`measured_allreduce`)."""
         gpus_per_host = given.get("gpus_per_host")
         chosen = {k: v for k, v in given.items() if v is not None and k != "gpus_per_host"}
         if gpus_per_host is None:
@@ -136,7 +147,13 @@ class Cluster:
         if net.inter_host_latency_s:
             chosen.setdefault("inter_latency_s", net.inter_host_latency_s)
         duplex = dict(net.inter_host_duplex) if measured_link else {}
-        return cls(gpus_per_host=gpus_per_host, duplex=duplex, **chosen)  # type: ignore[arg-type]
+        across = measured_link and net.gpus_per_host == gpus_per_host and profile_world(net) > gpus_per_host
+        return cls(
+            gpus_per_host=gpus_per_host,  # type: ignore[arg-type]
+            duplex=duplex,
+            measured_allreduce=across,
+            **chosen,  # type: ignore[arg-type]
+        )
 
     def duplex_factor(self, each_way: int) -> float:
         """`duplex` for `each_way` streams each way (interpolated; beyond the counts measured, the
@@ -151,6 +168,12 @@ class Cluster:
     def hosts(self, gpus: int) -> int:
         """Hosts that `gpus` ranks fill."""
         return -(-gpus // self.gpus_per_host)
+
+
+def profile_world(net: NetworkCost) -> int:
+    """The ranks of the job that measured `net` (the largest world of `allreduce_by_world`; 0 where
+    it has none)."""
+    return max(net.allreduce_by_world, default=0)
 
 
 class Links:
@@ -226,11 +249,34 @@ class Links:
             one_host = self.world if self.cluster is None else min(self.world, self.cluster.gpus_per_host)
             return self.net.allreduce_time(nbytes, n, world=one_host)
         assert self.cluster is not None
-        hosts, k = len(per_host), max(per_host.values())
-        busy = min(self.cluster.gpus_per_host, self.world)
+        return self._ring(nbytes, list(per_host.values()), self.world) * self._measured_over_ring(n, nbytes)
+
+    def _ring(self, nbytes: int, per_host: list[int], world: int) -> float:
+        """The ring model of an all-reduce of `nbytes` over a group with `per_host` of its ranks on
+        each of its hosts (more than one), in a job of `world` ranks (module docstring)."""
+        assert self.cluster is not None
+        n, hosts, k = sum(per_host), len(per_host), max(per_host)
+        busy = min(self.cluster.gpus_per_host, world)
         ring_bw = min(self.intra_bw, self.cluster.inter_bandwidth_Bps * k / busy)
         latency = 2 * (k - 1) * self.intra_lat + 2 * (hosts - 1) * self.cluster.inter_latency_s
         return 2.0 * (n - 1) / n * nbytes / ring_bw + latency
+
+    def _measured_over_ring(self, n: int, nbytes: int) -> float:
+        """With `Cluster.measured_allreduce`: the profile's all-reduce of `n` ranks at `nbytes`
+        (`NetworkCost.allreduce`, every group of the profile's stage layout reducing at once, hosts
+        filled in rank order) over the ring model of that group in that job; 1 where the profile has
+        no curve of `n` ranks or its groups of `n` stay inside a host."""
+        assert self.cluster is not None
+        world = profile_world(self.net)
+        if not self.cluster.measured_allreduce or n not in self.net.allreduce or world % n:
+            return 1.0
+        stride, size = world // n, self.cluster.gpus_per_host
+        per_host: dict[int, int] = {}
+        for r in range(n):
+            per_host[r * stride // size] = per_host.get(r * stride // size, 0) + 1
+        if len(per_host) == 1:
+            return 1.0
+        return self.net.allreduce_time(nbytes, n) / self._ring(nbytes, list(per_host.values()), world)
 
     def stage_allreduce(self, stage: int, nbytes: int) -> float:
         """A stage's gradient all-reduce over its D replicas."""
