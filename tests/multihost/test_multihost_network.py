@@ -64,7 +64,7 @@ def profile(hosts: NetnsHosts, folder: Path, mbit: float | None) -> CostTable:
 def best_plan(profile_json: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "varuna", "plan", "--profile", str(profile_json), "--gpus", "4"]
-        + ["--global-batch", "8", "--memory", "16GiB", "--json", "--top", "40"],
+        + ["--global-batch", "32", "--memory", "16GiB", "--json", "--top", "40"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -94,6 +94,9 @@ def test_multihost_the_plan_follows_the_measured_network(hosts: NetnsHosts, tmp_
     fast_pick = best_plan(tmp_path / "fast" / "run" / "profile.json")
     slow_pick = best_plan(tmp_path / "slow" / "run" / "profile.json")
     # unshaped: data parallelism (all-reduces are cheap); slow: a pipeline whose stages' replicas
-    # share a host (cyclic: all-reduces inside hosts, only activations cross)
+    # share a host (cyclic: all-reduces inside hosts, only activations cross). The planner prices the
+    # all-reduces across hosts as the profile measured them (on two shared cores, unshaped, gloo's
+    # all-reduce takes a few times the ring model's time), so the batch is large enough that the
+    # unshaped step is mostly compute.
     assert fast_pick["data"] > fast_pick["pipeline"], fast_pick
     assert slow_pick["pipeline"] > 1 and slow_pick["placement"] == "cyclic", slow_pick
