@@ -37,6 +37,7 @@ profile.json by hand, the profile measures one host). Defaults (`varuna plan --g
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -271,9 +272,7 @@ class Links:
         if not self.cluster.measured_allreduce or n not in self.net.allreduce or world % n:
             return 1.0
         stride, size = world // n, self.cluster.gpus_per_host
-        per_host: dict[int, int] = {}
-        for r in range(n):
-            per_host[r * stride // size] = per_host.get(r * stride // size, 0) + 1
+        per_host = Counter(r * stride // size for r in range(n))  # the profile's group {0, stride, ...}
         if len(per_host) == 1:
             return 1.0
         return self.net.allreduce_time(nbytes, n) / self._ring(nbytes, list(per_host.values()), world)

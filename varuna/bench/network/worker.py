@@ -11,9 +11,8 @@ rate, the number of link rates, the step counts, the folder of the rate handshak
 unshaped (so start-up traffic is not measured); then for each rate the job waits for its turn at
 that rate (the parent shapes the link and lets the bench's jobs measure one after another), probes
 the link, profiles the network if asked (`profile_network`: what the planner decides with), and
-every system runs `warmup` + `steps` steps on the same global
-batches, the systems alternating step by step (a shared host's speed drifts; adjacent steps see the
-same host). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
+every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
+by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
 its time is the slowest rank's. Where `gauge_repeats` > 0 rank 0 times the model's compute before
 the first timed round and after each (`RoundGauges`, `compute_gauge`): the host's speed while this
 job measured at that rate, their median `compute_s`, with which the planner prices this job's
