@@ -34,9 +34,12 @@ def measure_slowdown(
     time with rank 0 running it alone, for n = 1 .. world size. Every rank returns the same table.
 
     Each rank runs its own copy of `model` on a micro-batch of `micro_batch_size` rows. The n busy
-    ranks run passes back to back until a common deadline (about `repeats` passes' worth of
-    n-way sharing), so every timed pass overlaps all n-1 others for its whole length; a pass still
-    running at the deadline (when the others may have stopped) is not counted. Running for a fixed
+    ranks run passes back to back until a common deadline, so every timed pass overlaps all n-1
+    others for its whole length; a pass still running at the deadline (when the others may have
+    stopped) is not counted. Every count gets the same window, `repeats` x world lone passes: the
+    lone time, which every factor of a round divides by, is then measured over as many passes as
+    the busiest count's (with a window of `repeats` x n passes it had `repeats` passes, and one
+    slow pass moved every factor of the round). Running for a fixed
     number of passes instead lets the first rank done hand its core to the rest, which reads
     sharing as cheaper than it is. A rank's time is the mean of its passes (time-slicing makes
     some passes much longer than the typical one, and the median, which skips them, reads sharing
@@ -79,7 +82,7 @@ def measure_slowdown(
                 dist.barrier()
                 mine = float("nan")
                 if rank < n:
-                    deadline = time.perf_counter() + max(repeats, 1) * n * lone
+                    deadline = time.perf_counter() + max(repeats, 1) * world * lone
                     times = []
                     while True:
                         t = one_pass()
