@@ -28,7 +28,7 @@ def measure_slowdown(
     *,
     micro_batch_size: int = 1,
     repeats: int = 3,
-    rounds: int = 3,
+    rounds: int = 5,
 ) -> dict[int, float]:
     """Collective: n -> a rank's forward+backward time while ranks 0..n-1 all run it, over the
     time with rank 0 running it alone, for n = 1 .. world size. Every rank returns the same table.
@@ -46,7 +46,8 @@ def measure_slowdown(
     as cheaper than the n / cores it cannot be under); n ranks' time is the one of
     their mean rate, the harmonic mean. The host's speed drifts over seconds, so the counts 1..world
     are measured in `rounds` interleaved rounds and each round's factors are over that round's
-    lone time; the table holds the median factor of the rounds. Gradients and RNG state are left
+    lone time; the table holds the median factor of the rounds (of five, two disturbed rounds
+    cannot move it). Gradients and RNG state are left
     as they were.
 
     Where ranks 0..n-1 share one host of c < n cores, the factor is at least n / c times the

@@ -31,7 +31,8 @@ runs Varuna 1x4, 2x2, 4x1, DDP and torch.pipelining 4x1 there), `h2:1 h3:1` alte
 reports its host name and the report checks both placements (`placements_verified`).
 
 The planner decides at every rate with the network it measures there (`varuna.bench.network.planner`):
-before the jobs, one compute profile of the model (a job of 4 ranks on h2, `run_profile`); at each
+before the jobs, one compute profile of the model (a job of 4 ranks on h2, `run_profile`, once the
+host is quiet: `quiet_wait_s`); at each
 rate, before the systems' steps, the block job's ranks profile the network between and within the
 hosts (`profile_network`, as `varuna profile` does across hosts). The planner's pick (shape,
 placement) with its predicted step goes into each point beside the measured results, with the
@@ -75,6 +76,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from varuna.bench import fresh_out, log, print_report, require_positive
 from varuna.bench.common import forward_backward_s, run_job
+from varuna.bench.load import wait_quiet
 from varuna.bench.network.planner import PLACEMENTS, judge_point, plan_point, planned_cuts, summarize
 from varuna.bench.network.plot import write_plot
 from varuna.bench.network.rates import LinkSchedule
@@ -174,6 +176,12 @@ class NetworkBench:
     takes a second or two and the host's noise moves a median of few steps most; 0: `steps` there too."""
     fast_from_mbit: float = 200.0
     """The slowest shaped rate that counts as fast for `fast_steps`, in Mbit/s."""
+    quiet_wait_s: float = 30.0
+    """How long the driver waits, before the compute profile, for a moment in which other processes
+    keep at most `max_foreign` cores busy (`varuna.bench.load.wait_quiet`): the profile's reading of
+    ranks sharing cores (`compute_slowdown`) sets every prediction of the run; 0: no wait."""
+    max_foreign: float = 0.15
+    """Cores other processes may keep busy for the host to count as quiet (see `quiet_wait_s`)."""
     jobs: tuple[str, ...] = tuple(JOBS)
     """Which of `JOBS` to run."""
     job_timeout_s: float = 600.0
@@ -187,6 +195,11 @@ class NetworkBench:
         if self.fast_steps < 0:
             raise ConfigError(
                 f"NetworkBench.fast_steps must be >= 0 (got {self.fast_steps}; 0: `steps` at every rate)"
+            )
+        if self.quiet_wait_s < 0 or self.max_foreign < 0:
+            raise ConfigError(
+                f"NetworkBench.quiet_wait_s ({self.quiet_wait_s}) and max_foreign ({self.max_foreign}) "
+                "must be >= 0 (quiet_wait_s 0: no wait for a quiet host)"
             )
         if not self.fast_from_mbit > 0:
             raise ConfigError(f"NetworkBench.fast_from_mbit must be Mbit/s > 0 (got {self.fast_from_mbit})")
@@ -243,7 +256,8 @@ def full() -> NetworkBench:
 
 def quick() -> NetworkBench:
     """A tiny GPT (vocab 2048, seq 16, d_model 64, 2 blocks), batch 16 in micro-batches of 2;
-    unshaped and 20 Mbit/s, 1 + 3 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes."""
+    unshaped and 20 Mbit/s, 1 + 3 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes
+    after at most 2 s of waiting for a quiet host."""
     model = {"vocab_size": 2048, "seq_len": 16, "d_model": 64, "n_layer": 2, "n_head": 2} | UNTIED
     return NetworkBench(
         model=model,
@@ -253,6 +267,7 @@ def quick() -> NetworkBench:
         steps=2,
         fast_steps=3,
         profile_repeats=2,
+        quiet_wait_s=2.0,
         job_timeout_s=150.0,
     )
 
@@ -360,6 +375,9 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
         "hang_s": bench.job_timeout_s,
     }
     title = _title("profile", PROFILE_SLOTS)
+    t0 = time.perf_counter()
+    load = wait_quiet(bench.max_foreign, bench.quiet_wait_s) if bench.quiet_wait_s > 0 else None
+    waited = time.perf_counter() - t0
     log(f"job {title}: starting")
     t0 = time.perf_counter()
     cmd = _command(bench, hosts, folder, PROFILE_SLOTS, spec)
@@ -378,6 +396,8 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
         "compute_slowdown": {str(n): round(f, 3) for n, f in sorted(table.compute_slowdown.items())},
         "action_overhead_s": round(table.action_overhead_s, 6),
         "wall_s": round(time.perf_counter() - t0, 1),
+        "quiet_wait_s": round(waited, 1),
+        "foreign_cores_before": None if load is None else round(load, 3),
     }
     return table, info
 

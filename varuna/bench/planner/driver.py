@@ -54,7 +54,7 @@ from typing import Any, cast
 
 from varuna.bench import log, print_report, require_positive
 from varuna.bench.common import run_job
-from varuna.bench.planner.load import foreign_cores, host_busy_s, wait_quiet
+from varuna.bench.load import foreign_cores, host_busy_s, wait_quiet
 from varuna.errors import ConfigError, LaunchError
 from varuna.schedule import ScheduleName, schedule_spec
 

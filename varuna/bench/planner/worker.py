@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from varuna.bench.common import forward_backward_s, run_worker
-from varuna.bench.planner.load import foreign_cores, host_busy_s, wait_quiet
+from varuna.bench.load import foreign_cores, host_busy_s, wait_quiet
 from varuna.data import SyntheticLM, collate, global_indices
 from varuna.models import GPT, GPTConfig
 

@@ -1,7 +1,8 @@
-"""The host-load probe of the planner benchmark: how many cores other processes kept busy.
+"""The host-load probe of the benchmarks: how many cores other processes kept busy.
 
-The host is shared: the driver and every round of a measuring job compare the host's busy CPU time
-(/proc/stat) with their own CPU time, and wait for a quiet moment before they measure.
+The host is shared: the planner bench's driver and every round of its measuring jobs, and the
+network bench's driver before its compute profile, compare the host's busy CPU time (/proc/stat)
+with their own CPU time, and wait for a quiet moment before they measure.
 """
 
 from __future__ import annotations
