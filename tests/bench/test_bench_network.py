@@ -111,6 +111,7 @@ def test_the_fast_rates_take_more_timed_steps() -> None:
         ({"profile_repeats": 0}, r"NetworkBench.profile_repeats must be a positive integer"),
         ({"fast_steps": -1}, r"fast_steps must be >= 0 \(got -1; 0: `steps` at every rate\)"),
         ({"fast_from_mbit": 0.0}, r"fast_from_mbit must be Mbit/s > 0 \(got 0.0\)"),
+        ({"sharing_rounds": -1}, r"sharing_rounds must be >= 0 \(got -1; 0: the compute profile's"),
         ({"quiet_wait_s": -1.0}, r"quiet_wait_s \(-1.0\) and max_foreign \(0.15\) must be >= 0"),
         ({"max_foreign": -0.1}, r"quiet_wait_s \(2.0\) and max_foreign \(-0.1\) must be >= 0"),
     ],
@@ -424,6 +425,11 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
             "prediction_within": 0.1,
         }
         assert summary["profile"]["segments"] >= 4 and summary["profile"]["compute_slowdown"]["1"] == 1.0
+        # each rate priced with the cores' sharing read beside its steps (n = 1 is the reference)
+        for point in report["points"]:
+            sharing = point["planner"]["compute_slowdown"]
+            assert point["planner"]["compute_slowdown_from"] == "rate"
+            assert set(sharing) == {"1", "2", "3", "4"} and sharing["1"] == 1.0
         # the profile waited for a quiet host: at least one half-second window was measured
         assert summary["profile"]["quiet_wait_s"] >= 0.5 and summary["profile"]["foreign_cores_before"] >= 0
         # each point priced with the compute timed beside its steps (the host drifts over a run); a

@@ -32,11 +32,12 @@ reports its host name and the report checks both placements (`placements_verifie
 
 The planner decides at every rate with the network it measures there (`varuna.bench.network.planner`):
 before the jobs, one compute profile of the model (a job of 4 ranks on h2, `run_profile`, once the
-host is quiet: `quiet_wait_s`); at each
-rate, before the systems' steps, the block job's ranks profile the network between and within the
-hosts (`profile_network`, as `varuna profile` does across hosts). The planner's pick (shape,
-placement) with its predicted step goes into each point beside the measured results, with the
-micro-batch size and schedule fixed to the bench's; Varuna's engines run the planner's cut
+host is quiet: `quiet_wait_s`); at each rate, before the systems' steps, the block job's ranks
+profile the network between and within the hosts (`profile_network`, as `varuna profile` does
+across hosts) and read how much ranks sharing the cores slow each other (`measure_slowdown`,
+`sharing_rounds`: that rate is priced with it, not with the compute profile's reading). The
+planner's pick (shape, placement) with its predicted step goes into each point beside the measured
+results, with the micro-batch size and schedule fixed to the bench's; Varuna's engines run the planner's cut
 (`partition="planner"`), so each measured Varuna shape is a configuration the planner prices.
 The host's speed drifts over minutes, so at each rate every job times the model's compute beside
 its own steps (the worker's `compute_gauge`), and the profile's compute is scaled by that gauge over
@@ -70,7 +71,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -176,6 +177,11 @@ class NetworkBench:
     takes a second or two and the host's noise moves a median of few steps most; 0: `steps` there too."""
     fast_from_mbit: float = 200.0
     """The slowest shaped rate that counts as fast for `fast_steps`, in Mbit/s."""
+    sharing_rounds: int = 3
+    """Rounds of `measure_slowdown` the network-profiling job runs at each rate, beside the network's
+    profile: the planner prices the rate with the cores' sharing read there (two of three runs' compute
+    profiles read 2 ranks on 2 cores 1.23-1.26 slower where the jobs' steps ran as 1.04 predicts);
+    0: the compute profile's reading at every rate."""
     quiet_wait_s: float = 30.0
     """How long the driver waits, before the compute profile, for a moment in which other processes
     keep at most `max_foreign` cores busy (`varuna.bench.load.wait_quiet`): the profile's reading of
@@ -195,6 +201,11 @@ class NetworkBench:
         if self.fast_steps < 0:
             raise ConfigError(
                 f"NetworkBench.fast_steps must be >= 0 (got {self.fast_steps}; 0: `steps` at every rate)"
+            )
+        if self.sharing_rounds < 0:
+            raise ConfigError(
+                f"NetworkBench.sharing_rounds must be >= 0 (got {self.sharing_rounds}; 0: the compute "
+                "profile's reading of shared cores at every rate)"
             )
         if self.quiet_wait_s < 0 or self.max_foreign < 0:
             raise ConfigError(
@@ -257,7 +268,7 @@ def full() -> NetworkBench:
 def quick() -> NetworkBench:
     """A tiny GPT (vocab 2048, seq 16, d_model 64, 2 blocks), batch 16 in micro-batches of 2;
     unshaped and 20 Mbit/s, 1 + 3 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes
-    after at most 2 s of waiting for a quiet host."""
+    after at most 2 s of waiting for a quiet host, one round of reading the shared cores per rate."""
     model = {"vocab_size": 2048, "seq_len": 16, "d_model": 64, "n_layer": 2, "n_head": 2} | UNTIED
     return NetworkBench(
         model=model,
@@ -267,6 +278,7 @@ def quick() -> NetworkBench:
         steps=2,
         fast_steps=3,
         profile_repeats=2,
+        sharing_rounds=1,
         quiet_wait_s=2.0,
         job_timeout_s=150.0,
     )
@@ -341,6 +353,7 @@ def _prepare(
         "systems": _systems(job),
         "profile_network": job.profiles_network,
         "gauge_repeats": bench.profile_repeats,
+        "sharing_rounds": bench.sharing_rounds,
         "rates": len(bench.rates),
         "warmup": bench.warmup,
         "steps": max(bench.steps_at(r) for r in bench.rates),
@@ -529,15 +542,23 @@ def _assemble(
         if table is not None and profiled:
             at = jobs[profiled[0]]["points"][i]
             network = NetworkCost.from_json(at["network"])
+            point_table = table
+            if "compute_slowdown" in at:  # the cores' sharing as read beside this rate's steps
+                sharing = {int(n): float(f) for n, f in at["compute_slowdown"].items()}
+                point_table = replace(table, compute_slowdown=sharing)
             factors: dict[str, float | None] = {}
             for name, report in jobs.items():
                 gauge = report["points"][i].get("compute_s")
                 factors[name] = gauge / profiled_compute_s if gauge and profiled_compute_s else None
             # jobs with the same factor (None: no gauge) share one plan
-            rankings = {f: _ranking(bench, table, network, f) for f in set(factors.values())}
+            rankings = {f: _ranking(bench, point_table, network, f) for f in set(factors.values())}
             by_job = {name: rankings[factor] for name, factor in factors.items()}
             point |= judge_point(by_job[profiled[0]], results, network, by_job)
             point["planner"]["network"]["profile_s"] = round(at["network_profile_s"], 1)
+            point["planner"]["compute_slowdown"] = {
+                str(n): round(f, 3) for n, f in sorted(point_table.compute_slowdown.items())
+            }
+            point["planner"]["compute_slowdown_from"] = "rate" if "compute_slowdown" in at else "profile"
             factor = factors[profiled[0]]
             point["planner"]["compute_factor"] = None if factor is None else round(factor, 3)
             point["planner"]["compute_factors"] = {

@@ -10,7 +10,8 @@ rate, the number of link rates, the step counts, the folder of the rate handshak
 (`varuna.bench.network.rates`) and the output file. Every system is built once, while the link is
 unshaped (so start-up traffic is not measured); then for each rate the job waits for its turn at
 that rate (the parent shapes the link and lets the bench's jobs measure one after another), probes
-the link, profiles the network if asked (`profile_network`: what the planner decides with), and
+the link, profiles the network if asked (`profile_network`: what the planner decides with; with
+`sharing_rounds` also how much ranks sharing the cores slow each other, `measure_slowdown`), and
 every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
 by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
 its time is the slowest rank's. Where `gauge_repeats` > 0 rank 0 times the model's compute before
@@ -236,6 +237,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     from varuna.comm.rendezvous import init_distributed
     from varuna.profile.network import profile_network
+    from varuna.profile.slowdown import measure_slowdown
 
     if spec["mode"] == "profile":
         profile(spec)
@@ -247,7 +249,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     batches = global_batches(spec)
     runners = build(spec, batches[0])
     gauged = spec.get("gauge_repeats", 0) > 0
-    gauge_model = build_model(spec["model"]) if gauged and rank == 0 else None
+    sharing_rounds = spec.get("sharing_rounds", 0) if spec["profile_network"] else 0
+    # a model of its own on every rank reads the cores' sharing; rank 0's also times the gauge
+    probe_model = build_model(spec["model"]) if sharing_rounds or (gauged and rank == 0) else None
+    gauge_model = probe_model if gauged and rank == 0 else None
     kinds = {system_key(s): s["system"] for s in spec["systems"]}
     control = Path(spec["control"])
     points = []
@@ -263,6 +268,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             t1 = time.perf_counter()
             point["network"] = profile_network(p2p_bytes=network_probe_bytes(rate)).to_json()
             point["network_profile_s"] = time.perf_counter() - t1
+        if sharing_rounds:
+            assert probe_model is not None
+            t1 = time.perf_counter()
+            slowdown = measure_slowdown(
+                probe_model, batches[0], micro_batch_size=spec["micro_batch_size"], rounds=sharing_rounds
+            )
+            point["compute_slowdown"] = {str(n): f for n, f in sorted(slowdown.items())}
+            point["sharing_profile_s"] = time.perf_counter() - t1
         steps = spec.get("steps_per_rate", [spec["steps"]] * spec["rates"])[index]
         gauges = RoundGauges(gauge_model, batches[0], spec) if gauged else None
         if gauges is not None and warmup == 0:
