@@ -85,6 +85,23 @@ def test_the_crossover_is_the_highest_rate_where_pipelining_beats_both() -> None
     assert won["crossover_mbit"] is None and won["crossover"]["pipelined_wins_unshaped"] is True
 
 
+def test_a_rates_reading_of_shared_cores_is_held_to_time_sharing_on_one_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The network-profiling job's ranks sit on two namespace hosts of one machine: its reading of
+    4 ranks on 2 cores is raised to 4/2 x the reading of 2, as `measure_slowdown` does on one host."""
+    import os
+
+    from varuna.bench.network.driver import _rate_sharing
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    sharing = _rate_sharing({"1": 1.0, "2": 1.05, "3": 1.4, "4": 2.3})
+    assert sharing == {1: 1.0, 2: 1.05, 3: pytest.approx(1.575), 4: 2.3}  # 4: above the floor, kept
+    assert _rate_sharing({"1": 1.0, "2": 1.1, "3": 1.7, "4": 1.9})[4] == pytest.approx(2.2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))  # cores enough: as read
+    assert _rate_sharing({"1": 1.0, "2": 1.1, "3": 1.4, "4": 1.9}) == {1: 1.0, 2: 1.1, 3: 1.4, 4: 1.9}
+
+
 def test_the_fast_rates_take_more_timed_steps() -> None:
     bench = NetworkBench(steps=3, fast_steps=6, fast_from_mbit=200.0)
     assert [bench.steps_at(r) for r in (None, 2000.0, 200.0, 50.0, 20.0)] == [6, 6, 6, 3, 3]

@@ -195,14 +195,14 @@ def test_capture_stops_the_script_at_varuna(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_slowdown_is_never_below_time_sharing_on_one_host() -> None:
-    from varuna.profile.slowdown import _at_least_time_sharing
+    from varuna.profile.slowdown import at_least_time_sharing
 
     measured = {1: 1.0, 2: 1.05, 3: 1.42, 4: 1.9}
     one_host = [("a", 2)] * 4
-    floored = _at_least_time_sharing(measured, one_host)
+    floored = at_least_time_sharing(measured, one_host)
     # 3 and 4 ranks on 2 cores: at least 3/2 and 4/2 times the 2-rank factor
     assert floored == {1: 1.0, 2: 1.05, 3: pytest.approx(1.575), 4: pytest.approx(2.1)}
-    assert _at_least_time_sharing({1: 1.0, 2: 1.05, 3: 1.8}, [("a", 2)] * 3)[3] == 1.8  # above: kept
+    assert at_least_time_sharing({1: 1.0, 2: 1.05, 3: 1.8}, [("a", 2)] * 3)[3] == 1.8  # above: kept
     # ranks on other hosts, or enough cores: measured as is
-    assert _at_least_time_sharing(measured, [("a", 2), ("a", 2), ("b", 2), ("b", 2)]) == measured
-    assert _at_least_time_sharing(measured, [("a", 8)] * 4) == measured
+    assert at_least_time_sharing(measured, [("a", 2), ("a", 2), ("b", 2), ("b", 2)]) == measured
+    assert at_least_time_sharing(measured, [("a", 8)] * 4) == measured

@@ -19,7 +19,7 @@ from varuna.comm.rendezvous import host_layout
 from varuna.cut.cutpoint import model_loss
 from varuna.profile.passes import device_of, micro_batch, preserved
 
-__all__ = ["measure_slowdown"]
+__all__ = ["measure_slowdown", "at_least_time_sharing"]
 
 
 def measure_slowdown(
@@ -28,7 +28,7 @@ def measure_slowdown(
     *,
     micro_batch_size: int = 1,
     repeats: int = 3,
-    rounds: int = 5,
+    rounds: int | None = None,
 ) -> dict[int, float]:
     """Collective: n -> a rank's forward+backward time while ranks 0..n-1 all run it, over the
     time with rank 0 running it alone, for n = 1 .. world size. Every rank returns the same table.
@@ -46,8 +46,10 @@ def measure_slowdown(
     as cheaper than the n / cores it cannot be under); n ranks' time is the one of
     their mean rate, the harmonic mean. The host's speed drifts over seconds, so the counts 1..world
     are measured in `rounds` interleaved rounds and each round's factors are over that round's
-    lone time; the table holds the median factor of the rounds (of five, two disturbed rounds
-    cannot move it). Gradients and RNG state are left
+    lone time; the table holds the median factor of the rounds. `rounds` None: five on CPU (two
+    disturbed rounds cannot move the median; ranks sharing a host's cores are what this measures
+    there), three on CUDA (a rank per device: every factor near 1, and a round costs world^2 x
+    `repeats` lone passes). Gradients and RNG state are left
     as they were.
 
     Where ranks 0..n-1 share one host of c < n cores, the factor is at least n / c times the
@@ -61,6 +63,8 @@ def measure_slowdown(
         (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     )
     micro = micro_batch(example_batch, micro_batch_size, device)
+    if rounds is None:
+        rounds = 3 if device.type == "cuda" else 5
 
     def one_pass() -> float:
         sync()
@@ -97,11 +101,12 @@ def measure_slowdown(
             for n in range(1, world + 1):
                 factors[n].append(per_n[n - 1] / per_n[0])
     table = {n: statistics.median(f) for n, f in factors.items()}
-    return _at_least_time_sharing(table, host_layout())
+    return at_least_time_sharing(table, host_layout())
 
 
-def _at_least_time_sharing(table: dict[int, float], hosts: list[tuple[str, int]]) -> dict[int, float]:
-    """`table` with each n > c, for ranks 0..n-1 on one host of c cores, raised to n / c x table[c]."""
+def at_least_time_sharing(table: dict[int, float], hosts: list[tuple[str, int]]) -> dict[int, float]:
+    """`table` with each n > c, for ranks 0..n-1 on one host of c cores, raised to n / c x table[c]
+    (`hosts`: every rank's (host, cores), as `host_layout` gives; `measure_slowdown` applies it)."""
     host, cores = hosts[0]
     out = dict(table)
     for n in table:

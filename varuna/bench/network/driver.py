@@ -480,6 +480,21 @@ def _run_jobs(
 # ---------------------------------------------------------------------------------------- report
 
 
+def _rate_sharing(reading: dict[str, float]) -> dict[int, float]:
+    """The cores' sharing the network-profiling job read at a rate (`measure_slowdown` on its ranks,
+    two per namespace host), raised to time-sharing's floor as on one host
+    (`at_least_time_sharing`): the namespace hosts are one machine, whose cores every rank shares,
+    which the ranks' host names do not tell `measure_slowdown`."""
+    from varuna.profile.slowdown import at_least_time_sharing
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    table = {int(n): float(f) for n, f in reading.items()}
+    return at_least_time_sharing(table, [("this machine", cores)] * len(table))
+
+
 def _ranking(bench: NetworkBench, table: CostTable, network: NetworkCost, factor: float | None) -> PlanResult:
     """The planner's ranking at a point, with the profile's compute scaled by `factor` (None: as
     profiled)."""
@@ -544,8 +559,7 @@ def _assemble(
             network = NetworkCost.from_json(at["network"])
             point_table = table
             if "compute_slowdown" in at:  # the cores' sharing as read beside this rate's steps
-                sharing = {int(n): float(f) for n, f in at["compute_slowdown"].items()}
-                point_table = replace(table, compute_slowdown=sharing)
+                point_table = replace(table, compute_slowdown=_rate_sharing(at["compute_slowdown"]))
             factors: dict[str, float | None] = {}
             for name, report in jobs.items():
                 gauge = report["points"][i].get("compute_s")
