@@ -128,6 +128,7 @@ def test_the_fast_rates_take_more_timed_steps() -> None:
         ({"profile_repeats": 0}, r"NetworkBench.profile_repeats must be a positive integer"),
         ({"fast_steps": -1}, r"fast_steps must be >= 0 \(got -1; 0: `steps` at every rate\)"),
         ({"fast_from_mbit": 0.0}, r"fast_from_mbit must be Mbit/s > 0 \(got 0.0\)"),
+        ({"profile_attempts": 0}, r"NetworkBench.profile_attempts must be a positive integer"),
         ({"sharing_rounds": -1}, r"sharing_rounds must be >= 0 \(got -1; 0: the compute profile's"),
         ({"quiet_wait_s": -1.0}, r"quiet_wait_s \(-1.0\) and max_foreign \(0.15\) must be >= 0"),
         ({"max_foreign": -0.1}, r"quiet_wait_s \(2.0\) and max_foreign \(-0.1\) must be >= 0"),
@@ -449,6 +450,13 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
             assert set(sharing) == {"1", "2", "3", "4"} and sharing["1"] == 1.0
         # the profile waited for a quiet host: at least one half-second window was measured
         assert summary["profile"]["quiet_wait_s"] >= 0.5 and summary["profile"]["foreign_cores_before"] >= 0
+        # ... and measured how busy others kept the host while it ran (run again above max_foreign)
+        profile = summary["profile"]
+        assert profile["foreign_cores_during"] >= 0 and 1 <= profile["attempts"] <= bench.profile_attempts
+        assert (
+            profile["attempts"] == bench.profile_attempts
+            or profile["foreign_cores_during"] <= bench.max_foreign
+        )
         # each point priced with the compute timed beside its steps (the host drifts over a run); a
         # timing ratio, so only its presence is asserted, never its size
         factors = [p["planner"]["compute_factor"] for p in report["points"]]

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -77,7 +78,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from varuna.bench import fresh_out, log, print_report, require_positive
 from varuna.bench.common import forward_backward_s, run_job
-from varuna.bench.load import wait_quiet
+from varuna.bench.load import foreign_cores, host_busy_s, wait_quiet
 from varuna.bench.network.planner import PLACEMENTS, judge_point, plan_point, planned_cuts, summarize
 from varuna.bench.network.plot import write_plot
 from varuna.bench.network.rates import LinkSchedule
@@ -187,7 +188,14 @@ class NetworkBench:
     keep at most `max_foreign` cores busy (`varuna.bench.load.wait_quiet`): the profile's reading of
     ranks sharing cores (`compute_slowdown`) sets every prediction of the run; 0: no wait."""
     max_foreign: float = 0.15
-    """Cores other processes may keep busy for the host to count as quiet (see `quiet_wait_s`)."""
+    """Cores other processes may keep busy for the host to count as quiet (see `quiet_wait_s` and
+    `profile_attempts`)."""
+    profile_attempts: int = 3
+    """How many times the compute profile may run: it runs again (after waiting for a quiet host)
+    while other processes kept more than `max_foreign` cores busy during it, the host's busy CPU time
+    (/proc/stat) less the profile job's own. Its readings set every prediction of the run: an
+    analysis at the lowest priority while it ran read 2 ranks on 2 cores 1.23-1.32 slower (quiet:
+    1.02-1.06) and the runtime's cost per action 4.7-6.2 ms (quiet: 0.2-1.6 ms)."""
     jobs: tuple[str, ...] = tuple(JOBS)
     """Which of `JOBS` to run."""
     job_timeout_s: float = 600.0
@@ -202,6 +210,7 @@ class NetworkBench:
             raise ConfigError(
                 f"NetworkBench.fast_steps must be >= 0 (got {self.fast_steps}; 0: `steps` at every rate)"
             )
+        require_positive(self, "profile_attempts")
         if self.sharing_rounds < 0:
             raise ConfigError(
                 f"NetworkBench.sharing_rounds must be >= 0 (got {self.sharing_rounds}; 0: the compute "
@@ -388,16 +397,27 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
         "hang_s": bench.job_timeout_s,
     }
     title = _title("profile", PROFILE_SLOTS)
-    t0 = time.perf_counter()
-    load = wait_quiet(bench.max_foreign, bench.quiet_wait_s) if bench.quiet_wait_s > 0 else None
-    waited = time.perf_counter() - t0
-    log(f"job {title}: starting")
-    t0 = time.perf_counter()
-    cmd = _command(bench, hosts, folder, PROFILE_SLOTS, spec)
-    run_job(title, cmd, bench.job_timeout_s + 30, folder / "job.log")
     path = folder / "profile.json"
-    if not path.exists():
-        raise LaunchError(f"job {title} exited 0 but wrote no profile ({path}); see {folder / 'job.log'}")
+    for attempt in range(1, bench.profile_attempts + 1):
+        t0 = time.perf_counter()
+        load = wait_quiet(bench.max_foreign, bench.quiet_wait_s) if bench.quiet_wait_s > 0 else None
+        waited = time.perf_counter() - t0
+        log(f"job {title}: starting" + (f" (attempt {attempt})" if attempt > 1 else ""))
+        path.unlink(missing_ok=True)  # an earlier attempt's
+        busy, own, t0 = host_busy_s(), _children_cpu_s(), time.perf_counter()
+        run_job(
+            title,
+            _command(bench, hosts, folder, PROFILE_SLOTS, spec),
+            bench.job_timeout_s + 30,
+            folder / "job.log",
+        )
+        wall = time.perf_counter() - t0
+        during = foreign_cores(busy, host_busy_s(), _children_cpu_s() - own, wall)
+        if not path.exists():
+            raise LaunchError(f"job {title} exited 0 but wrote no profile ({path}); see {folder / 'job.log'}")
+        if during is None or during <= bench.max_foreign or attempt == bench.profile_attempts:
+            break
+        log(f"profile disturbed: other processes kept {during:.2f} cores busy while it ran; again")
     table = CostTable.load(path)
     info = {
         "path": str(path),
@@ -408,9 +428,11 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
         "microbatch_compute_s": round(forward_backward_s(table.segments, bench.micro_batch_size), 6),
         "compute_slowdown": {str(n): round(f, 3) for n, f in sorted(table.compute_slowdown.items())},
         "action_overhead_s": round(table.action_overhead_s, 6),
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "wall_s": round(wall, 1),
         "quiet_wait_s": round(waited, 1),
         "foreign_cores_before": None if load is None else round(load, 3),
+        "foreign_cores_during": None if during is None else round(during, 3),
+        "attempts": attempt,
     }
     return table, info
 
@@ -478,6 +500,12 @@ def _run_jobs(
 
 
 # ---------------------------------------------------------------------------------------- report
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for descendants (a finished job's every process)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _rate_sharing(reading: dict[str, float]) -> dict[int, float]:
