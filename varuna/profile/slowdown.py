@@ -39,18 +39,17 @@ def measure_slowdown(
     stopped) is not counted. Every count gets the same window, `repeats` x world lone passes: the
     lone time, which every factor of a round divides by, is then measured over as many passes as
     the busiest count's (with a window of `repeats` x n passes it had `repeats` passes, and one
-    slow pass moved every factor of the round). Running for a fixed
-    number of passes instead lets the first rank done hand its core to the rest, which reads
-    sharing as cheaper than it is. A rank's time is the mean of its passes (time-slicing makes
-    some passes much longer than the typical one, and the median, which skips them, reads sharing
-    as cheaper than the n / cores it cannot be under); n ranks' time is the one of
-    their mean rate, the harmonic mean. The host's speed drifts over seconds, so the counts 1..world
-    are measured in `rounds` interleaved rounds and each round's factors are over that round's
-    lone time; the table holds the median factor of the rounds. `rounds` None: five on CPU (two
-    disturbed rounds cannot move the median; ranks sharing a host's cores are what this measures
-    there), three on CUDA (a rank per device: every factor near 1, and a round costs world^2 x
-    `repeats` lone passes). Gradients and RNG state are left
-    as they were.
+    slow pass moved every factor of the round). Running for a fixed number of passes instead lets
+    the first rank done hand its core to the rest, which reads sharing as cheaper than it is. A
+    rank's time is the mean of its passes (time-slicing makes some passes much longer than the
+    typical one, and the median, which skips them, reads sharing as cheaper than the n / cores it
+    cannot be under); n ranks' time is the one of their mean rate, the harmonic mean. The host's
+    speed drifts over seconds, so the counts 1..world are measured in `rounds` interleaved rounds
+    and each round's factors are over that round's lone time; the table holds the median factor of
+    the rounds. `rounds` None: five on CPU (two disturbed rounds cannot move the median; ranks
+    sharing a host's cores are what this measures there), three on CUDA (a rank per device: every
+    factor near 1, and a round costs world^2 x `repeats` lone passes). Gradients and RNG state are
+    left as they were.
 
     Where ranks 0..n-1 share one host of c < n cores, the factor is at least n / c times the
     factor at c: each rank gets at most c / n of a core on average. A measured factor can fall

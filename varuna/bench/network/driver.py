@@ -180,9 +180,9 @@ class NetworkBench:
     """The slowest shaped rate that counts as fast for `fast_steps`, in Mbit/s."""
     sharing_rounds: int = 3
     """Rounds of `measure_slowdown` the network-profiling job runs at each rate, beside the network's
-    profile: the planner prices the rate with the cores' sharing read there (two of three runs' compute
-    profiles read 2 ranks on 2 cores 1.23-1.26 slower where the jobs' steps ran as 1.04 predicts);
-    0: the compute profile's reading at every rate."""
+    profile: the planner prices the rate with the cores' sharing read there, beside the steps it
+    predicts, rather than with one reading at the run's start (docs/benchmarks/network.md has how
+    the two compared); 0: the compute profile's reading at every rate."""
     quiet_wait_s: float = 30.0
     """How long the driver waits, before the compute profile, for a moment in which other processes
     keep at most `max_foreign` cores busy (`varuna.bench.load.wait_quiet`): the profile's reading of
@@ -193,9 +193,9 @@ class NetworkBench:
     profile_attempts: int = 3
     """How many times the compute profile may run: it runs again (after waiting for a quiet host)
     while other processes kept more than `max_foreign` cores busy during it, the host's busy CPU time
-    (/proc/stat) less the profile job's own. Its readings set every prediction of the run: an
-    analysis at the lowest priority while it ran read 2 ranks on 2 cores 1.23-1.32 slower (quiet:
-    1.02-1.06) and the runtime's cost per action 4.7-6.2 ms (quiet: 0.2-1.6 ms)."""
+    (/proc/stat) less the profile job's own. Its readings (the cores' sharing, the runtime's cost per
+    action) set every prediction of the run, and even a process at the lowest priority beside it
+    moves them (docs/benchmarks/network.md)."""
     jobs: tuple[str, ...] = tuple(JOBS)
     """Which of `JOBS` to run."""
     job_timeout_s: float = 600.0
