@@ -8,10 +8,12 @@ with their own CPU time, and wait for a quiet moment before they measure.
 from __future__ import annotations
 
 import os
+import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["host_busy_s", "foreign_cores", "wait_quiet"]
+__all__ = ["host_busy_s", "foreign_cores", "foreign_cores_during", "wait_quiet"]
 
 
 def host_busy_s() -> float | None:
@@ -44,3 +46,17 @@ def wait_quiet(max_foreign: float, timeout_s: float, window_s: float = 0.5) -> f
         load = foreign_cores(before, host_busy_s(), time.process_time() - own, time.perf_counter() - t0)
         if load is None or load <= max_foreign or time.monotonic() >= deadline:
             return load
+
+
+def foreign_cores_during(run: Callable[[], object]) -> float | None:
+    """Call `run` (which starts child processes and waits for them); the cores other processes kept
+    busy meanwhile: the host's busy time less this process's and its waited-for children's CPU time,
+    over the wall time (None off Linux)."""
+
+    def own_cpu_s() -> float:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return children.ru_utime + children.ru_stime + time.process_time()
+
+    busy, own, t0 = host_busy_s(), own_cpu_s(), time.perf_counter()
+    run()
+    return foreign_cores(busy, host_busy_s(), own_cpu_s() - own, time.perf_counter() - t0)

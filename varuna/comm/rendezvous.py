@@ -216,17 +216,21 @@ def _import_mpi() -> Any:
     return MPI
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of the machine's off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def host_layout() -> list[tuple[str, int]]:
     """Collective (torch.distributed): every rank's (host name, cores this process may run on),
     in rank order; the profile reads it to tell ranks sharing a host's cores apart from others."""
     import torch.distributed as dist
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (socket.gethostname(), cores))
+    dist.all_gather_object(every, (socket.gethostname(), usable_cores()))
     return [(str(h), int(c)) for h, c in every]
 
 

@@ -37,8 +37,9 @@ profile the network between and within the hosts (`profile_network`, as `varuna 
 across hosts) and read how much ranks sharing the cores slow each other (`measure_slowdown`,
 `sharing_rounds`: that rate is priced with it, not with the compute profile's reading). The
 planner's pick (shape, placement) with its predicted step goes into each point beside the measured
-results, with the micro-batch size and schedule fixed to the bench's; Varuna's engines run the planner's cut
-(`partition="planner"`), so each measured Varuna shape is a configuration the planner prices.
+results, with the micro-batch size and schedule fixed to the bench's; Varuna's engines run the
+planner's cut (`partition="planner"`), so each measured Varuna shape is a configuration the planner
+prices.
 The host's speed drifts over minutes, so at each rate every job times the model's compute beside
 its own steps (the worker's `compute_gauge`), and the profile's compute is scaled by that gauge over
 the profile's own figure (`compute_factors`, one per job): the pick is made with the factor of the
@@ -68,7 +69,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from varuna.bench import fresh_out, log, print_report, require_positive
 from varuna.bench.common import forward_backward_s, run_job
-from varuna.bench.load import foreign_cores, host_busy_s, wait_quiet
+from varuna.bench.load import foreign_cores_during, wait_quiet
 from varuna.bench.network.planner import PLACEMENTS, judge_point, plan_point, planned_cuts, summarize
 from varuna.bench.network.plot import write_plot
 from varuna.bench.network.rates import LinkSchedule
@@ -398,21 +398,18 @@ def _profile(bench: NetworkBench, hosts: NetnsHosts, out: Path) -> tuple[CostTab
     }
     title = _title("profile", PROFILE_SLOTS)
     path = folder / "profile.json"
+    cmd = _command(bench, hosts, folder, PROFILE_SLOTS, spec)
     for attempt in range(1, bench.profile_attempts + 1):
         t0 = time.perf_counter()
         load = wait_quiet(bench.max_foreign, bench.quiet_wait_s) if bench.quiet_wait_s > 0 else None
         waited = time.perf_counter() - t0
         log(f"job {title}: starting" + (f" (attempt {attempt})" if attempt > 1 else ""))
         path.unlink(missing_ok=True)  # an earlier attempt's
-        busy, own, t0 = host_busy_s(), _children_cpu_s(), time.perf_counter()
-        run_job(
-            title,
-            _command(bench, hosts, folder, PROFILE_SLOTS, spec),
-            bench.job_timeout_s + 30,
-            folder / "job.log",
+        t0 = time.perf_counter()
+        during = foreign_cores_during(
+            lambda: run_job(title, cmd, bench.job_timeout_s + 30, folder / "job.log")
         )
         wall = time.perf_counter() - t0
-        during = foreign_cores(busy, host_busy_s(), _children_cpu_s() - own, wall)
         if not path.exists():
             raise LaunchError(f"job {title} exited 0 but wrote no profile ({path}); see {folder / 'job.log'}")
         if during is None or during <= bench.max_foreign or attempt == bench.profile_attempts:
@@ -502,25 +499,16 @@ def _run_jobs(
 # ---------------------------------------------------------------------------------------- report
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's waited-for descendants (a finished job's every process)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _rate_sharing(reading: dict[str, float]) -> dict[int, float]:
     """The cores' sharing the network-profiling job read at a rate (`measure_slowdown` on its ranks,
     two per namespace host), raised to time-sharing's floor as on one host
     (`at_least_time_sharing`): the namespace hosts are one machine, whose cores every rank shares,
     which the ranks' host names do not tell `measure_slowdown`."""
+    from varuna.comm.rendezvous import usable_cores
     from varuna.profile.slowdown import at_least_time_sharing
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
     table = {int(n): float(f) for n, f in reading.items()}
-    return at_least_time_sharing(table, [("this machine", cores)] * len(table))
+    return at_least_time_sharing(table, [("this machine", usable_cores())] * len(table))
 
 
 def _ranking(bench: NetworkBench, table: CostTable, network: NetworkCost, factor: float | None) -> PlanResult:

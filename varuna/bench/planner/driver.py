@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -54,7 +53,7 @@ from typing import Any, cast
 
 from varuna.bench import log, print_report, require_positive
 from varuna.bench.common import run_job
-from varuna.bench.load import foreign_cores, host_busy_s, wait_quiet
+from varuna.bench.load import foreign_cores_during, wait_quiet
 from varuna.errors import ConfigError, LaunchError
 from varuna.schedule import ScheduleName, schedule_spec
 
@@ -237,11 +236,6 @@ def _label(c: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------- jobs
 
 
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _job(bench: PlannerBench, tmp: Path, tag: str, world: int, spec: dict[str, Any]) -> float | None:
     """Run one worker job on `world` ranks; the cores other processes used meanwhile."""
     spec_path = tmp / f"{tag}.spec.json"
@@ -259,10 +253,7 @@ def _job(bench: PlannerBench, tmp: Path, tag: str, world: int, spec: dict[str, A
     cmd = [sys.executable, "-m", "varuna", "run", "--pipeline", str(world), "--data", "1"]
     cmd += ["--run-dir", str(tmp / f"job-{tag}"), "--timeout", f"{bench.job_timeout_s:g}"]
     cmd += ["-m", _WORKER, str(spec_path)]
-    busy, own, t0 = host_busy_s(), _children_cpu_s() + time.process_time(), time.perf_counter()
-    run_job(tag, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log")
-    own = _children_cpu_s() + time.process_time() - own
-    return foreign_cores(busy, host_busy_s(), own, time.perf_counter() - t0)
+    return foreign_cores_during(lambda: run_job(tag, cmd, bench.job_timeout_s + 30, tmp / f"{tag}.log"))
 
 
 def _profile(bench: PlannerBench, tmp: Path, tag: str) -> tuple[Any, list[float | None]]:
