@@ -400,6 +400,10 @@ def test_the_duplex_factors_travel_from_the_profile_to_each_crossing(tmp_path: P
     cluster = Cluster.from_network(measured)
     assert cluster is not None and cluster.duplex == {1: 1.1, 2: 1.3}
     assert cluster.duplex_factor(2) == 1.3 and cluster.duplex_factor(4) == 1.3  # beyond: the nearest
+    # replicas sharing a crossing are slowed at least as much as fewer streams each way measured
+    fewer_slower = replace(cluster, duplex={1: 1.4, 2: 1.2, 4: 1.1})
+    assert [fewer_slower.duplex_factor(k) for k in (1, 2, 3, 4)] == [1.4, 1.4, 1.4, 1.4]
+    assert replace(cluster, duplex={2: 1.2, 4: 1.5}).duplex_factor(3) == pytest.approx(1.35)
     assert Cluster(gpus_per_host=2).duplex_factor(2) == 1.0  # unmeasured: both ways as fast as one
     assert Cluster.from_network(measured, inter_bandwidth_Bps=2e6) == Cluster(
         gpus_per_host=2, inter_bandwidth_Bps=2e6, inter_latency_s=20e-6

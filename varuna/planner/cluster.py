@@ -12,8 +12,9 @@ rank = replica x P + stage, hosts filled in rank order (`gpus_per_host` ranks ea
   keeps it busy k times as long (`p2p_busy`), so a saturated link carries all k replicas' bytes
   while one transfer on a link that is otherwise free still takes its own time. A crossing
   carries activations one way and gradients the other: with measured duplex factors
-  (`Cluster.duplex`) the planner stretches its transfers by the factor for the replicas sharing it,
-  as far as the opposite direction is busy (`Links.duplex`, `varuna.planner.search`).
+  (`Cluster.duplex`) the planner stretches its transfers by the factor for the replicas sharing it
+  (at least that of fewer streams: `Cluster.duplex_factor`), as far as the opposite direction is
+  busy (`Links.duplex`, `varuna.planner.search`).
 - All-reduce of a group (a stage's D replicas, the tied weights' 2D ranks, the per-step one over
   everyone): within one host the profile's measurement (`NetworkCost.allreduce_time`). Across H
   hosts with at most k of its ranks on one host, a ring: 2(n-1)/n x bytes over the slowest link
@@ -158,8 +159,14 @@ class Cluster:
 
     def duplex_factor(self, each_way: int) -> float:
         """`duplex` for `each_way` streams each way (interpolated; beyond the counts measured, the
-        nearest; 1 where nothing was measured)."""
-        return slowdown_of(self.duplex, each_way, one=None) if self.duplex else 1.0
+        nearest; 1 where nothing was measured), and at least the factor measured for any fewer
+        streams: k replicas sharing a crossing do not send in lockstep, so for part of a step fewer
+        than k streams go each way, slowed as those fewer are (measured streams of one each way
+        slow more than two: the opposite direction's acknowledgements wait behind less data)."""
+        if not self.duplex:
+            return 1.0
+        fewer = [f for k, f in self.duplex.items() if k < each_way]
+        return max([slowdown_of(self.duplex, each_way, one=None), *fewer])
 
     def replicas_sharing_cores(self, pipeline: int, data: int) -> int:
         """Replicas of a P x D shape whose busy stages share cores (`Sharing.replicas`): those one
