@@ -270,7 +270,7 @@ def full() -> NetworkBench:
         micro_batch_size=16,
         rates=(None, 2000.0, 1000.0, 500.0, 200.0, 50.0, 20.0),
         fast_steps=6,
-        job_timeout_s=1200.0,
+        job_timeout_s=2400.0,
     )
 
 
