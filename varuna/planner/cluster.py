@@ -161,8 +161,8 @@ class Cluster:
         """`duplex` for `each_way` streams each way (interpolated; beyond the counts measured, the
         nearest; 1 where nothing was measured), and at least the factor measured for any fewer
         streams: k replicas sharing a crossing do not send in lockstep, so for part of a step fewer
-        than k streams go each way, slowed as those fewer are (measured streams of one each way
-        slow more than two: the opposite direction's acknowledgements wait behind less data)."""
+        than k streams go each way, slowed as those fewer are (on a shaped link one stream each way
+        was measured slower than two)."""
         if not self.duplex:
             return 1.0
         fewer = [f for k, f in self.duplex.items() if k < each_way]
