@@ -102,6 +102,25 @@ def test_a_rates_reading_of_shared_cores_is_held_to_time_sharing_on_one_machine(
     assert _rate_sharing({"1": 1.0, "2": 1.1, "3": 1.4, "4": 1.9}) == {1: 1.0, 2: 1.1, 3: 1.4, 4: 1.9}
 
 
+def test_a_runs_sharing_is_the_median_of_its_rates_readings() -> None:
+    """One rate read in a slow moment does not price that rate: each count's median over the rates."""
+    from varuna.bench.network.driver import _run_sharing
+
+    readings = [
+        {"1": 1.0, "2": 1.09, "4": 2.1},
+        {"1": 1.0, "2": 1.23, "4": 2.57},  # a slow moment
+        {"1": 1.0, "2": 1.07, "4": 2.06},
+        {"1": 1.0, "2": 1.14, "3": 1.67, "4": 2.18},  # a count only one rate read: that reading
+    ]
+    assert _run_sharing(readings) == {
+        "1": 1.0,
+        "2": pytest.approx(1.115),
+        "3": 1.67,
+        "4": pytest.approx(2.14),
+    }
+    assert _run_sharing([]) is None
+
+
 def test_the_fast_rates_take_more_timed_steps() -> None:
     bench = NetworkBench(steps=3, fast_steps=6, fast_from_mbit=200.0)
     assert [bench.steps_at(r) for r in (None, 2000.0, 200.0, 50.0, 20.0)] == [6, 6, 6, 3, 3]
@@ -443,11 +462,14 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
             "prediction_within": 0.1,
         }
         assert summary["profile"]["segments"] >= 4 and summary["profile"]["compute_slowdown"]["1"] == 1.0
-        # each rate priced with the cores' sharing read beside its steps (n = 1 is the reference)
+        # every rate priced with the cores' sharing read beside the steps, the run's median (n = 1
+        # is the reference); each point keeps its own reading
         for point in report["points"]:
             sharing = point["planner"]["compute_slowdown"]
-            assert point["planner"]["compute_slowdown_from"] == "rate"
+            assert point["planner"]["compute_slowdown_from"] == "rates' median"
             assert set(sharing) == {"1", "2", "3", "4"} and sharing["1"] == 1.0
+            assert set(point["planner"]["compute_slowdown_at_rate"]) == {"1", "2", "3", "4"}
+            assert sharing == report["points"][0]["planner"]["compute_slowdown"]
         # the profile waited for a quiet host: at least one half-second window was measured
         assert summary["profile"]["quiet_wait_s"] >= 0.5 and summary["profile"]["foreign_cores_before"] >= 0
         # ... and measured how busy others kept the host while it ran (run again above max_foreign)

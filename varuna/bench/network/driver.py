@@ -35,7 +35,8 @@ before the jobs, one compute profile of the model (a job of 4 ranks on h2, `run_
 host is quiet: `quiet_wait_s`); at each rate, before the systems' steps, the block job's ranks
 profile the network between and within the hosts (`profile_network`, as `varuna profile` does
 across hosts) and read how much ranks sharing the cores slow each other (`measure_slowdown`,
-`sharing_rounds`: that rate is priced with it, not with the compute profile's reading). The
+`sharing_rounds`; every rate is priced with the median of these readings over the run,
+`_run_sharing`, not with the compute profile's reading). The
 planner's pick (shape, placement) with its predicted step goes into each point beside the measured
 results, with the micro-batch size and schedule fixed to the bench's; Varuna's engines run the
 planner's cut (`partition="planner"`), so each measured Varuna shape is a configuration the planner
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -180,9 +182,10 @@ class NetworkBench:
     """The slowest shaped rate that counts as fast for `fast_steps`, in Mbit/s."""
     sharing_rounds: int = 3
     """Rounds of `measure_slowdown` the network-profiling job runs at each rate, beside the network's
-    profile: the planner prices the rate with the cores' sharing read there, beside the steps it
-    predicts, rather than with one reading at the run's start (docs/benchmarks/network.md has how
-    the two compared); 0: the compute profile's reading at every rate."""
+    profile: the planner prices every rate with the median of these readings over the run (the
+    cores' sharing read beside the steps it predicts, `_run_sharing`), rather than with one reading
+    at the run's start (docs/benchmarks/network.md has how they compared); 0: the compute
+    profile's reading at every rate."""
     quiet_wait_s: float = 30.0
     """How long the driver waits, before the compute profile, for a moment in which other processes
     keep at most `max_foreign` cores busy (`varuna.bench.load.wait_quiet`): the profile's reading of
@@ -499,6 +502,19 @@ def _run_jobs(
 # ---------------------------------------------------------------------------------------- report
 
 
+def _run_sharing(readings: list[dict[str, float]]) -> dict[str, float] | None:
+    """The cores' sharing of a run: for each count of busy ranks, the median of the readings the
+    network-profiling job took beside every rate's steps (None: it took none). Sharing is the
+    machine's, not the link's: one reading is `sharing_rounds` short rounds, and a few seconds in
+    which the shared host runs slow move it by a fifth (2 ranks 1.23 and 4 ranks 2.57 at one rate of
+    a run whose other rates read 1.07-1.14 and 1.94-2.20), which then prices that rate's shapes of
+    four busy ranks a tenth too slow; the median over the rates keeps such a moment out."""
+    if not readings:
+        return None
+    counts = sorted({n for r in readings for n in r}, key=int)
+    return {n: statistics.median(r[n] for r in readings if n in r) for n in counts}
+
+
 def _rate_sharing(reading: dict[str, float]) -> dict[int, float]:
     """The cores' sharing the network-profiling job read at a rate (`measure_slowdown` on its ranks,
     two per namespace host), raised to time-sharing's floor as on one host
@@ -541,9 +557,17 @@ def _assemble(
     another. The planner ranks with the profile's compute scaled by the network-profiling job's
     factor (the pick and its `compute_factor`); each measured configuration's prediction is priced
     with the profile's compute scaled by the factor of the job that measured it (`judge_point`'s
-    `by_job`). A job without a gauge is priced with the profile's compute as it is."""
+    `by_job`). A job without a gauge is priced with the profile's compute as it is. Every point is
+    priced with the cores' sharing of the run (`_run_sharing` of the network-profiling job's
+    readings; each point keeps its own as `compute_slowdown_at_rate`), or the profile's where the
+    job read none."""
     from varuna.planner.network import NetworkCost
 
+    profiling = [n for n in jobs if JOBS[n].profiles_network]
+    sharing = None
+    if profiling:
+        readings = [p["compute_slowdown"] for p in jobs[profiling[0]]["points"] if "compute_slowdown" in p]
+        sharing = _run_sharing(readings)
     points = []
     for i, rate in enumerate(bench.rates):
         results = []
@@ -569,13 +593,13 @@ def _assemble(
         probed = {name: round(report["points"][i]["link_mbit"], 1) for name, report in jobs.items()}
         point: dict[str, Any] = {"rate_mbit": rate, "link_mbit_seen": probed, "results": results}
         point |= {"planner": None, "planner_vs_best": None, "predicted_vs_measured": None}
-        profiled = [n for n in jobs if JOBS[n].profiles_network]
+        profiled = profiling
         if table is not None and profiled:
             at = jobs[profiled[0]]["points"][i]
             network = NetworkCost.from_json(at["network"])
             point_table = table
-            if "compute_slowdown" in at:  # the cores' sharing as read beside this rate's steps
-                point_table = replace(table, compute_slowdown=_rate_sharing(at["compute_slowdown"]))
+            if sharing is not None:  # the cores' sharing as read beside the steps, the run's median
+                point_table = replace(table, compute_slowdown=_rate_sharing(sharing))
             factors: dict[str, float | None] = {}
             for name, report in jobs.items():
                 gauge = report["points"][i].get("compute_s")
@@ -588,7 +612,12 @@ def _assemble(
             point["planner"]["compute_slowdown"] = {
                 str(n): round(f, 3) for n, f in sorted(point_table.compute_slowdown.items())
             }
-            point["planner"]["compute_slowdown_from"] = "rate" if "compute_slowdown" in at else "profile"
+            point["planner"]["compute_slowdown_from"] = "rates' median" if sharing is not None else "profile"
+            if "compute_slowdown" in at:
+                point["planner"]["compute_slowdown_at_rate"] = {
+                    n: round(f, 3)
+                    for n, f in sorted(at["compute_slowdown"].items(), key=lambda kv: int(kv[0]))
+                }
             factor = factors[profiled[0]]
             point["planner"]["compute_factor"] = None if factor is None else round(factor, 3)
             point["planner"]["compute_factors"] = {
