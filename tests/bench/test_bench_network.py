@@ -537,17 +537,17 @@ def test_network_bench_stopped_by_sigterm_takes_its_hosts_and_jobs_down(tmp_path
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
-    out = tmp_path / "run"
+    out, log = tmp_path / "run", tmp_path / "bench.log"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "varuna.bench", "network", "--quick", "--out", str(out)],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "varuna.bench", "network", "--quick", "--out", str(out)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
     prefix = f"vmh{proc.pid}-"
     try:
         deadline = time.monotonic() + 120
@@ -557,11 +557,12 @@ def test_network_bench_stopped_by_sigterm_takes_its_hosts_and_jobs_down(tmp_path
         assert any(ns.startswith(prefix) for ns in _namespaces())
         time.sleep(2)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=45)
+        proc.wait(timeout=45)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    err = log.read_text(errors="replace")
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "varuna bench: network: stopped by SIGTERM" in err
     assert not [ns for ns in _namespaces() if ns.startswith(prefix)]
