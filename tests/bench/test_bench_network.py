@@ -517,3 +517,61 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
         out = Path(report["out"])
         if out.name.startswith("bench-network-"):
             shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.multihost
+@pytest.mark.timeout(180)
+def test_network_bench_stopped_by_sigterm_takes_its_hosts_and_jobs_down(tmp_path: Path) -> None:
+    """A SIGTERM while the jobs run (a scheduler's limit, `kill`) exits 143 and leaves nothing behind:
+    no namespace host of the bench, no process of its jobs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from _helpers import REPO
+
+    from varuna.bench.netns import _namespaces
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    out, log = tmp_path / "run", tmp_path / "bench.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "varuna.bench", "network", "--quick", "--out", str(out)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
+    prefix = f"vmh{proc.pid}-"
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "job-blocks" / "job.log").exists():  # the jobs run, in threads
+            assert proc.poll() is None and time.monotonic() < deadline, "the bench never started its jobs"
+            time.sleep(0.2)
+        assert any(ns.startswith(prefix) for ns in _namespaces())
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=45)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = log.read_text(errors="replace")
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "varuna bench: network: stopped by SIGTERM" in err
+    assert not [ns for ns in _namespaces() if ns.startswith(prefix)]
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(out) in cmdline:
+            left.append(cmdline.replace("\0", " "))
+    assert not left, left

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
+from types import FrameType
 
 from varuna.errors import ConfigError, LaunchError
 
@@ -136,13 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """Raised in the main thread by a SIGTERM (`kill`, a scheduler's time limit, a test's timeout):
+    a BaseException, so that no bench's ``except Exception`` takes it for its own error, and every
+    ``finally`` on the way out runs (namespace hosts down, links unshaped, jobs stopped)."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one bench; 1 on a bench's typed error, 128 + SIGTERM after a SIGTERM (cleaned up)."""
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(importlib.import_module(f"varuna.bench.{args.bench}").main(args))
     except (ConfigError, LaunchError) as exc:
         print(f"varuna bench: error: {exc}", file=sys.stderr)
         return 1
+    except Terminated:
+        print(f"varuna bench: {args.bench}: stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

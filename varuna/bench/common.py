@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "run_job",
+    "stop_job",
     "LR",
     "SEED",
     "DATA_SEED",
@@ -54,6 +55,19 @@ DATA_SEED = 0
 
 
 # ------------------------------------------------------------------------------------ the parent
+
+
+def stop_job(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a job started in a session of its own: SIGTERM (`varuna run` stops its ranks on it),
+    SIGKILL to the session if it has not ended 15 s later."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def run_job(name: str, cmd: list[str], timeout_s: float, log_path: Path) -> None:
@@ -75,14 +89,11 @@ def run_job(name: str, cmd: list[str], timeout_s: float, log_path: Path) -> None
         try:
             code: int | str = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            # `varuna run` stops its ranks on SIGTERM; SIGKILL the session if it does not.
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_job(proc)
             code = f"timeout after {timeout_s:g} s"
+        except BaseException:  # the bench itself stopped (SIGTERM, Ctrl-C): so does its job
+            stop_job(proc)
+            raise
     text = log_path.read_text(errors="replace")
     if code != 0:
         tail = "\n".join(text.splitlines()[-40:])

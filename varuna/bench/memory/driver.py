@@ -39,9 +39,7 @@ limit (the check is an estimate: it can pass a shape whose peak ends a little ov
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from varuna.bench import ROOT, bench_env, log, print_report, require_positive
+from varuna.bench.common import stop_job
 from varuna.errors import ConfigError, LaunchError
 
 __all__ = [
@@ -262,13 +261,11 @@ def _job(bench: MemoryBench, tmp: Path, tag: str, pipeline: int, spec: dict[str,
         try:
             code: int | str = proc.wait(timeout=bench.job_timeout_s + 30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # `varuna run` stops its ranks on SIGTERM
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_job(proc)
             code = f"timeout after {bench.job_timeout_s:g} s"
+        except BaseException:  # the bench itself stopped (SIGTERM, Ctrl-C): so does its job
+            stop_job(proc)
+            raise
     records = [json.loads(f.read_text()) for f in out.glob("rank*.json")]
     records.sort(key=lambda r: r["rank"])
     wall = round(time.perf_counter() - t0, 1)
