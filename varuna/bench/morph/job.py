@@ -8,9 +8,7 @@ end and returns the events, the supervisor's timestamped output lines and the re
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from varuna.bench import ROOT, bench_env, log
+from varuna.bench.common import stop_job
 from varuna.errors import LaunchError
 
 if TYPE_CHECKING:
@@ -73,18 +72,6 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the job's session (`varuna run` stops its ranks), SIGKILL it if that does not end it."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 def run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], Lines, dict[str, float]]:
     """Run the elastic job, resize it after `steps_before` steps; its events, output and request times."""
     (P, D), (P2, D2) = bench.start_shape, bench.to_shape
@@ -120,7 +107,7 @@ def run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], Lines, 
     request: dict[str, float] = {}
 
     def fail(why: str) -> LaunchError:
-        _stop(proc)
+        stop_job(proc)
         lines.join()
         return LaunchError(
             f"benchmark job {name} {why}; run dir {run_dir}, its log: {log_path}; the end of it:\n{lines.tail()}"
@@ -155,7 +142,7 @@ def run_job(bench: MorphBench, tmp: Path) -> tuple[list[dict[str, Any]], Lines, 
             raise fail(f"failed (exit code {code})")
     except BaseException:
         if proc.poll() is None:
-            _stop(proc)
+            stop_job(proc)
         raise
     events = _events(run_dir)
     if not any(e["event"] == "done" and e["launch"] > 1 for e in events):

@@ -506,10 +506,10 @@ def _run_jobs(
 def _run_sharing(readings: list[dict[str, float]]) -> dict[str, float] | None:
     """The cores' sharing of a run: for each count of busy ranks, the median of the readings the
     network-profiling job took beside every rate's steps (None: it took none). Sharing is the
-    machine's, not the link's: one reading is `sharing_rounds` short rounds, and a few seconds in
-    which the shared host runs slow move it by a fifth (2 ranks 1.23 and 4 ranks 2.57 at one rate of
-    a run whose other rates read 1.07-1.14 and 1.94-2.20), which then prices that rate's shapes of
-    four busy ranks a tenth too slow; the median over the rates keeps such a moment out."""
+    machine's, not the link's: one reading is `sharing_rounds` short rounds, which a few seconds of
+    a slow shared host can move far enough to misprice that rate's shapes of four busy ranks
+    (docs/benchmarks/network.md, "The run's reading of shared cores"); the median over the rates
+    keeps such a moment out."""
     if not readings:
         return None
     counts = sorted({n for r in readings for n in r}, key=int)
@@ -594,9 +594,8 @@ def _assemble(
         probed = {name: round(report["points"][i]["link_mbit"], 1) for name, report in jobs.items()}
         point: dict[str, Any] = {"rate_mbit": rate, "link_mbit_seen": probed, "results": results}
         point |= {"planner": None, "planner_vs_best": None, "predicted_vs_measured": None}
-        profiled = profiling
-        if table is not None and profiled:
-            at = jobs[profiled[0]]["points"][i]
+        if table is not None and profiling:
+            at = jobs[profiling[0]]["points"][i]
             network = NetworkCost.from_json(at["network"])
             point_table = table
             if sharing is not None:  # the cores' sharing as read beside the steps, the run's median
@@ -608,7 +607,7 @@ def _assemble(
             # jobs with the same factor (None: no gauge) share one plan
             rankings = {f: _ranking(bench, point_table, network, f) for f in set(factors.values())}
             by_job = {name: rankings[factor] for name, factor in factors.items()}
-            point |= judge_point(by_job[profiled[0]], results, network, by_job)
+            point |= judge_point(by_job[profiling[0]], results, network, by_job)
             point["planner"]["network"]["profile_s"] = round(at["network_profile_s"], 1)
             point["planner"]["compute_slowdown"] = {
                 str(n): round(f, 3) for n, f in sorted(point_table.compute_slowdown.items())
@@ -619,7 +618,7 @@ def _assemble(
                     n: round(f, 3)
                     for n, f in sorted(at["compute_slowdown"].items(), key=lambda kv: int(kv[0]))
                 }
-            factor = factors[profiled[0]]
+            factor = factors[profiling[0]]
             point["planner"]["compute_factor"] = None if factor is None else round(factor, 3)
             point["planner"]["compute_factors"] = {
                 name: None if f is None else round(f, 3) for name, f in factors.items()
