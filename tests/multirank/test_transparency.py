@@ -269,6 +269,20 @@ def test_gradients_all_reduced_in_bf16_are_close_not_equal(runs, references) -> 
     assert differ > 0
 
 
+def test_closed_engines_leave_no_threads_sockets_or_stages_behind(runs) -> None:
+    # Each job builds and closes dozens of engines in one process (as a notebook, a bench or a resize
+    # does): each close must release the engine's process groups (gloo gives every group its own
+    # threads and sockets) and let the engine be collected (its stage's weights, optimizer, graphs).
+    for world, out in runs.items():
+        for rank in range(world):
+            released = json.loads((out / f"released-rank{rank}.json").read_text())
+            assert len(released) > 10, (world, rank)
+            assert not any(r["alive"] for r in released), (world, rank, [r["alive"] for r in released])
+            first, last = released[0], released[-1]
+            assert last["threads"] <= first["threads"] + 2, (world, rank, first, last)
+            assert last["fds"] <= first["fds"] + 4, (world, rank, first, last)
+
+
 def test_uneven_split_is_uneven(runs) -> None:
     r = torch.load(runs[3] / "gpt-3x1-1f1b" / "rank0.pt", weights_only=True)
     assert tuple(r["boundaries"]) == (0, 1)  # stages of 1, 1 and 2 segments

@@ -6,8 +6,11 @@ serves every P x D with P * D == W, so the suite starts processes once per world
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -61,6 +64,7 @@ runs += [
     for k in kinds
     for s in scheds
 ]
+released: list[dict[str, object]] = []  # after each run's engine.close()
 for P, D, partition, kind, schedule in runs:
     engine, data = engine_for(kind, P, D, partition=partition, **engine_options(schedule))
     engine.set_optimizer(optimizer(engine.parameters()))
@@ -91,6 +95,18 @@ for P, D, partition, kind, schedule in runs:
         tag / f"rank{engine.rank}.pt",
     )
     engine.close()
+    # What a closed engine leaves behind: it must be collectable, and its groups' threads and sockets gone.
+    rank, gone = engine.rank, weakref.ref(engine)
+    del engine
+    gc.collect()
+    released.append(
+        {
+            "alive": gone() is not None,
+            "threads": len(os.listdir("/proc/self/task")),
+            "fds": len(os.listdir("/proc/self/fd")),
+        }
+    )
+(out / f"released-rank{rank}.json").write_text(json.dumps(released))
 
 if world == 2:
     # Checkpoints are keyed by parameter name: a zb-v checkpoint resumes under interleaved-1f1b (other

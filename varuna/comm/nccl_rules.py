@@ -134,7 +134,7 @@ class _Stream:
         self._queue.put(None)
 
 
-_original: tuple[Any, Any, Any, Any] | None = None
+_original: tuple[Any, Any, Any, Any, Any] | None = None
 _streams: dict[tuple[int, int, int], _Stream] = {}
 _lock = threading.Lock()
 
@@ -163,6 +163,13 @@ def _stream(group: Any, peer: int) -> _Stream:
 
 
 _SERIAL: list[_Stream | None] = [None]  # rule 4 (strict): one order for every communicator
+
+
+def _forget(group: Any) -> None:
+    """Stop the workers of `group`'s rank pairs (every worker for None: the whole job's groups)."""
+    with _lock:
+        for key in [k for k in _streams if group is None or k[0] == id(group)]:
+            _streams.pop(key).close()
 
 
 def _create(stream: _Stream, me: int, peer: int) -> None:
@@ -203,8 +210,9 @@ def install(timeout_s: float = 120.0, *, strict: bool = False) -> None:
     if strict:
         _SERIAL[0] = _Stream("every communicator of this rank, in posting order (strict: rule 4)")
     c10d = dist.distributed_c10d
-    _original = (dist.isend, dist.irecv, dist.batch_isend_irecv, c10d._check_op)
+    _original = (dist.isend, dist.irecv, dist.batch_isend_irecv, c10d._check_op, dist.destroy_process_group)
     send, recv = dist.send, dist.recv
+    destroy = dist.destroy_process_group
     gloo_isend, gloo_irecv = dist.isend, dist.irecv
 
     # NCCL ignores tags: pairing is by order alone, so every operation goes with tag 0
@@ -251,8 +259,14 @@ def install(timeout_s: float = 120.0, *, strict: bool = False) -> None:
         if op not in (isend, irecv):
             check_original(op)
 
+    def destroy_process_group(group: Any = None) -> None:
+        """A destroyed group's workers stop with it (a new group may get its id)."""
+        _forget(group)
+        destroy(group)
+
     check_original = c10d._check_op
     dist.isend, dist.irecv, dist.batch_isend_irecv = isend, irecv, batch_isend_irecv  # type: ignore[assignment]
+    dist.destroy_process_group = destroy_process_group  # type: ignore[assignment]
     c10d._check_op = check_op
     if dist.get_rank() == 0:
         said = "strict" if strict else "1"
@@ -270,7 +284,13 @@ def uninstall() -> None:
     global _original
     if _original is None:
         return
-    dist.isend, dist.irecv, dist.batch_isend_irecv, dist.distributed_c10d._check_op = _original  # type: ignore[assignment]
+    (
+        dist.isend,
+        dist.irecv,
+        dist.batch_isend_irecv,
+        dist.distributed_c10d._check_op,
+        dist.destroy_process_group,
+    ) = _original  # type: ignore[assignment]
     _original = None
     with _lock:
         for s in _streams.values():

@@ -227,6 +227,9 @@ class P2P:
         none: tuple[Any, Any] = (None, None)
         self._in_act, self._in_grad = up or none
         self._out_act, self._out_grad = down or none
+        self._groups = [g for g in (*(up or none), *(down or none)) if g is not None]
+        """The groups this link was given, destroyed by `close` (gloo gives each its own threads
+        and sockets, so an engine made after another would otherwise keep every earlier one's)."""
         # own streams per stage boundary where one rank pair carries several (two chunks per rank)
         self._in, self._out = (tags[0] * _STREAM, tags[1] * _STREAM) if tags is not None else (0, 0)
         self.device = device
@@ -504,7 +507,11 @@ class P2P:
         self.comm_s += time.perf_counter() - t0
 
     def close(self) -> None:
-        """Stop the watcher threads (after the last step; they hold nothing then)."""
+        """Stop the watcher threads and destroy this link's groups (after the last step's `finish`:
+        nothing is in flight then)."""
         for watcher in (self._from_prev, self._from_next):
             if watcher is not None:
                 watcher.close()
+        for group in self._groups:
+            dist.destroy_process_group(group)
+        self._groups = []

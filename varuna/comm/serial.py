@@ -162,6 +162,12 @@ class Courier:
         self._unknown: list[int] = []  # this step's micro-batches to probe
         self._micro: Sequence[Mapping[str, Any]] | None = None  # this step's micro-batches
 
+    def close(self) -> None:
+        """Destroy the pipeline's group (after the last step's `finish`: nothing is in flight)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
     def replan(self, plan: Plan) -> None:
         """Between steps: the ticks of a new order's messages (`varuna.engine.refit`)."""
         self.plan = plan

@@ -870,7 +870,9 @@ class Varuna:
         for logger, _ in self._loggers:
             logger.close()
         self._loggers = []
-        self._runtime.close()
+        self._runtime.close()  # its links destroy their groups
+        if self._courier is not None:
+            self._courier.close()
         self.wait_checkpoint()
         groups = [self._dp_group] if self._dp_group is not None else []
         groups += [self._ckpt_group] if self._ckpt_group is not None else []

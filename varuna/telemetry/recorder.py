@@ -245,14 +245,19 @@ class Telemetry:
             self._set_action(f"{self.action.split(':')[0]}: sent {kind[-1]} mb {microbatch}")
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        """A saved-for-backward tensor: count its storage once unless it is a parameter's."""
+        """A saved-for-backward tensor: count its storage once unless it is a parameter's.
+
+        Returns it detached: the same storage, without its grad_fn. A node saving its own output
+        would otherwise hold that output, which holds the node: a cycle through autograd's C++ that
+        Python's collector cannot see, so the graph of any forward not followed by its backward
+        stayed alive with everything it reached (the engine among it, through this method)."""
         if not t.is_meta:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in self._param_ptrs and ptr not in self._seen:
                 self._seen.add(ptr)
                 self._packs.append((time.perf_counter(), storage.nbytes()))
-        return t
+        return t.detach()
 
     def _should_sample(self, step: int) -> bool:
         if not self.enabled or self.paused or step % self.spans_every:
