@@ -292,10 +292,7 @@ def uninstall() -> None:
         dist.destroy_process_group,
     ) = _original  # type: ignore[assignment]
     _original = None
-    with _lock:
-        for s in _streams.values():
-            s.close()
-        _streams.clear()
+    _forget(None)
     if _SERIAL[0] is not None:
         _SERIAL[0].close()
         _SERIAL[0] = None
