@@ -21,7 +21,7 @@ import pytest
 from _helpers import run_bench
 
 from varuna.bench.netns import unavailable
-from varuna.bench.network import NetworkBench, crossover, expected_hosts, placement_of, quick
+from varuna.bench.network import NetworkBench, crossover, expected_hosts, full, placement_of, quick
 from varuna.bench.network.planner import judge_point, summarize
 from varuna.bench.network.rates import LinkSchedule, wait_rate
 from varuna.bench.network.report import label, planner_lines
@@ -121,11 +121,14 @@ def test_a_runs_sharing_is_the_median_of_its_rates_readings() -> None:
     assert _run_sharing([]) is None
 
 
-def test_the_fast_rates_take_more_timed_steps() -> None:
-    bench = NetworkBench(steps=3, fast_steps=6, fast_from_mbit=200.0)
+def test_the_fast_rates_take_more_timed_steps_in_more_turns() -> None:
+    bench = NetworkBench(steps=3, fast_steps=6, fast_from_mbit=200.0, fast_turns=2)
     assert [bench.steps_at(r) for r in (None, 2000.0, 200.0, 50.0, 20.0)] == [6, 6, 6, 3, 3]
+    assert [bench.turns_at(r) for r in (None, 2000.0, 200.0, 50.0, 20.0)] == [2, 2, 2, 1, 1]
     assert NetworkBench(steps=3).steps_at(None) == 3  # no fast_steps: the same at every rate
+    assert NetworkBench(steps=3).turns_at(None) == 1  # one turn unless asked
     assert quick().steps_at(None) > quick().steps_at(20.0)
+    assert full().turns_at(None) == quick().turns_at(None) == 2 and full().turns_at(50.0) == 1
 
 
 @pytest.mark.parametrize(
@@ -147,6 +150,11 @@ def test_the_fast_rates_take_more_timed_steps() -> None:
         ({"profile_repeats": 0}, r"NetworkBench.profile_repeats must be a positive integer"),
         ({"fast_steps": -1}, r"fast_steps must be >= 0 \(got -1; 0: `steps` at every rate\)"),
         ({"fast_from_mbit": 0.0}, r"fast_from_mbit must be Mbit/s > 0 \(got 0.0\)"),
+        (
+            {"fast_turns": 0},
+            r"fast_turns must be >= 1 and at most the timed steps .*got fast_turns 0, fast_steps 3",
+        ),
+        ({"fast_turns": 4}, r"each turn times at least one \(got fast_turns 4, fast_steps 3, steps 2\)"),
         ({"profile_attempts": 0}, r"NetworkBench.profile_attempts must be a positive integer"),
         ({"sharing_rounds": -1}, r"sharing_rounds must be >= 0 \(got -1; 0: the compute profile's"),
         ({"quiet_wait_s": -1.0}, r"quiet_wait_s \(-1.0\) and max_foreign \(0.15\) must be >= 0"),
@@ -368,14 +376,51 @@ def test_the_jobs_take_turns_at_each_rate_and_the_link_changes_only_between_rate
         assert rate == (rates[index] if index < len(rates) else None) == link_rate
 
 
+def test_with_two_turns_at_a_rate_the_jobs_go_a_b_b_a(tmp_path: Path) -> None:
+    rates, turns = [None, 1000.0, 50.0], [2, 2, 1]
+    shaped: list[float | None] = []
+    seen: list[tuple[str, int, float | None, float | None]] = []
+    folders = {name: tmp_path / name for name in ("a", "b")}
+
+    def job(name: str) -> None:  # rank 0 of a job: every turn in order, then the last ask
+        for number in range(sum(turns) + 1):
+            rate = wait_rate(folders[name], number, ask=True, timeout_s=10)
+            seen.append((name, number, rate, shaped[-1] if shaped else None))
+            time.sleep(0.01)
+
+    for folder in folders.values():
+        folder.mkdir()
+    threads = {name: threading.Thread(target=job, args=(name,)) for name in folders}
+    link = LinkSchedule(rates, shaped.append, turns=turns)
+    for name, thread in threads.items():
+        thread.start()
+        link.ready(folders[name], 0, lambda f: True)
+    link.serve(list(folders.values()), lambda f: threads[f.name].is_alive())
+    for thread in threads.values():
+        thread.join(10)
+    assert shaped == [1000.0, 50.0, None]  # still set once per rate, not per turn
+    order = [(name, number) for name, number, _, _ in seen]
+    assert order[:10] == [
+        ("a", 0), ("b", 0), ("b", 1), ("a", 1),  # unshaped: A B, then B A
+        ("a", 2), ("b", 2), ("b", 3), ("a", 3),  # 1000 Mbit/s
+        ("a", 4), ("b", 4),  # 50 Mbit/s: one turn
+    ]  # fmt: skip
+    assert sorted(order[10:]) == [("a", 5), ("b", 5)]
+    rate_of = [None, None, 1000.0, 1000.0, 50.0, None]
+    for _, number, rate, link_rate in seen:
+        assert rate == rate_of[number] == link_rate
+    with pytest.raises(ConfigError, match=r"turns \[1\]: give one count >= 1 per rate \(2 rates\)"):
+        LinkSchedule([None, 20.0], shaped.append, turns=[1])
+
+
 def test_a_job_that_ends_without_asking_stops_the_bench(tmp_path: Path) -> None:
     link = LinkSchedule([None], lambda rate: None)
-    with pytest.raises(RuntimeError, match="the job of .* ended before asking for rate 0"):
+    with pytest.raises(RuntimeError, match="the job of .* ended before asking for turn 0"):
         link.ready(tmp_path, 0, lambda folder: False)
 
 
 def test_a_job_stops_waiting_when_the_bench_never_answers(tmp_path: Path) -> None:
-    with pytest.raises(TimeoutError, match="no .*go-0 within 0.1 s: the bench did not set rate 0"):
+    with pytest.raises(TimeoutError, match="no .*go-0 within 0.1 s: the bench did not start turn 0"):
         wait_rate(tmp_path, 0, ask=True, timeout_s=0.1)
     assert (tmp_path / "want-0").exists()
 
@@ -428,7 +473,12 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
                 assert r["samples_per_s"] == pytest.approx(report["global_batch"] / r["step_s"], rel=1e-3)
                 # more timed steps at the fast rates (unshaped here) than at 20 Mbit/s
                 assert len(r["timed_step_s"]) == bench.steps_at(point["rate_mbit"]), (point["rate_mbit"], r)
-                assert len(r["warmup_step_s"]) == bench.warmup
+                # in as many turns as the rate gives each job, each after its own warm-up
+                turns = bench.turns_at(point["rate_mbit"])
+                assert len(r["turn_step_s"]) == turns and sum(map(len, r["turn_step_s"])) == len(
+                    r["timed_step_s"]
+                )
+                assert len(r["warmup_step_s"]) == bench.warmup * turns
         # the ranks ran where each placement needs them: each rank's own host name
         placements = report["placements_verified"]
         assert placements["replicas-across-hosts"]["rank_hosts"] == ["h2", "h2", "h3", "h3"]
@@ -485,7 +535,9 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
         for name in bench.jobs:  # timed before the first timed round and after each; their median
             job = json.loads((Path(report["out"]) / f"job-{name}" / "result.json").read_text())
             for rate, at in zip(bench.rates, job["points"], strict=True):
-                assert len(at["compute_gauges_s"]) == bench.steps_at(rate) + 1, at["compute_gauges_s"]
+                assert len(at["compute_gauges_s"]) == bench.steps_at(rate) + bench.turns_at(rate), at[
+                    "compute_gauges_s"
+                ]
                 assert at["compute_s"] == pytest.approx(statistics.median(at["compute_gauges_s"]), abs=1e-5)
         assert all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in factors), factors
         # every job timed the compute beside its own steps at every rate, and each measured

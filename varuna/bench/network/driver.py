@@ -50,7 +50,10 @@ factor of the job that measured it.
 A job keeps its processes for every rate, so its engines are built once while the link is
 unshaped, and the two jobs live side by side: at each rate the bench shapes the link and lets them
 measure one after the other (`varuna.bench.network.rates`), so that the two 2x2 placements are
-measured seconds apart, not a whole job apart (a shared host's speed drifts over minutes). Within
+measured seconds apart, not a whole job apart (a shared host's speed drifts over minutes). At the
+fast rates each job takes two turns, in the order A B B A (`fast_turns`), its timed steps split
+between them: a slow spell of a few steps then falls on both jobs' systems, where with one turn each
+it slowed only the job measuring then and moved the pick between the two 2x2 placements. Within
 a job the systems alternate step by step. While one job measures, the other's ranks only poll a
 file. A step is timed from a barrier to the end of the optimizer step, the slowest rank's; step_s
 is the median of the timed steps after the warm-up (`fast_steps` of them at the fast rates, where
@@ -179,7 +182,14 @@ class NetworkBench:
     """Timed steps per system at the fast rates (unshaped and at least `fast_from_mbit`), where a step
     takes a second or two and the host's noise moves a median of few steps most; 0: `steps` there too."""
     fast_from_mbit: float = 200.0
-    """The slowest shaped rate that counts as fast for `fast_steps`, in Mbit/s."""
+    """The slowest shaped rate that counts as fast for `fast_steps` and `fast_turns`, in Mbit/s."""
+    fast_turns: int = 1
+    """Turns each job takes at the fast rates (`varuna.bench.network.rates`): with 2 the jobs measure
+    in the order A B and then B A, the timed steps split between the turns and each turn after
+    `warmup` untimed rounds, so that a slow spell of the shared host falls on every job's systems
+    alike, not only on those of the job measuring then (the two 2x2 placements are in different
+    jobs); 1: one turn each. The slow rates take one: there the shapes are far apart and a round
+    takes tens of seconds."""
     sharing_rounds: int = 3
     """Rounds of `measure_slowdown` the network-profiling job runs at each rate, beside the network's
     profile: the planner prices every rate with the median of these readings over the run (the
@@ -212,6 +222,12 @@ class NetworkBench:
         if self.fast_steps < 0:
             raise ConfigError(
                 f"NetworkBench.fast_steps must be >= 0 (got {self.fast_steps}; 0: `steps` at every rate)"
+            )
+        if self.fast_turns < 1 or any(self.steps_at(r) < self.turns_at(r) for r in self.rates):
+            raise ConfigError(
+                f"NetworkBench.fast_turns must be >= 1 and at most the timed steps of a fast rate, each turn "
+                f"times at least one (got fast_turns {self.fast_turns}, fast_steps {self.fast_steps}, "
+                f"steps {self.steps})"
             )
         require_positive(self, "profile_attempts")
         if self.sharing_rounds < 0:
@@ -252,8 +268,14 @@ class NetworkBench:
     def steps_at(self, rate: float | None) -> int:
         """Timed steps per system at `rate` Mbit/s (None: unshaped): `fast_steps` at the fast rates
         where given, else `steps`."""
-        fast = rate is None or rate >= self.fast_from_mbit
-        return self.fast_steps if fast and self.fast_steps else self.steps
+        return self.fast_steps if self._fast(rate) and self.fast_steps else self.steps
+
+    def turns_at(self, rate: float | None) -> int:
+        """Turns each job takes at `rate` Mbit/s (None: unshaped): `fast_turns` at the fast rates, else 1."""
+        return self.fast_turns if self._fast(rate) else 1
+
+    def _fast(self, rate: float | None) -> bool:
+        return rate is None or rate >= self.fast_from_mbit
 
 
 PARTITIONS = ("planner", "balanced", "fastest", "uniform")
@@ -265,8 +287,8 @@ def full() -> NetworkBench:
     """A GPT of vocab 2048, seq 32, d_model 192, 8 blocks (4.35M parameters: 16.6 MiB of gradients
     against 24 KiB of activations per sample at a stage boundary), global batch 256 in micro-batches
     of 16; unshaped, then 2000, 1000, 500, 200, 50 and 20 Mbit/s; 10 timed steps per system from
-    200 Mbit/s up (a slow spell of the shared host, a few rounds long, stays under the median), 3
-    below."""
+    200 Mbit/s up (a slow spell of the shared host, a few rounds long, stays under the median), in
+    two turns per job (A B B A), 3 below."""
     model = {"vocab_size": 2048, "seq_len": 32, "d_model": 192, "n_layer": 8, "n_head": 6} | UNTIED
     return NetworkBench(
         model=model,
@@ -274,13 +296,14 @@ def full() -> NetworkBench:
         micro_batch_size=16,
         rates=(None, 2000.0, 1000.0, 500.0, 200.0, 50.0, 20.0),
         fast_steps=10,
+        fast_turns=2,
         job_timeout_s=2400.0,
     )
 
 
 def quick() -> NetworkBench:
     """A tiny GPT (vocab 2048, seq 16, d_model 64, 2 blocks), batch 16 in micro-batches of 2;
-    unshaped and 20 Mbit/s, 1 + 3 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes
+    unshaped and 20 Mbit/s, two turns of 1 + 2 and 1 + 1 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes
     after at most 2 s of waiting for a quiet host, one round of reading the shared cores per rate."""
     model = {"vocab_size": 2048, "seq_len": 16, "d_model": 64, "n_layer": 2, "n_head": 2} | UNTIED
     return NetworkBench(
@@ -290,6 +313,7 @@ def quick() -> NetworkBench:
         rates=(None, 20.0),
         steps=2,
         fast_steps=3,
+        fast_turns=2,
         profile_repeats=2,
         sharing_rounds=1,
         quiet_wait_s=2.0,
@@ -369,8 +393,10 @@ def _prepare(
         "sharing_rounds": bench.sharing_rounds,
         "rates": len(bench.rates),
         "warmup": bench.warmup,
-        "steps": max(bench.steps_at(r) for r in bench.rates),
+        # the global batches of the longest rate: every turn's warm-up rounds and its timed ones
+        "steps": max(bench.steps_at(r) + (bench.turns_at(r) - 1) * bench.warmup for r in bench.rates),
         "steps_per_rate": [bench.steps_at(r) for r in bench.rates],
+        "turns_per_rate": [bench.turns_at(r) for r in bench.rates],
         "control": str(folder / "rates"),
         "rate_wait_s": bench.job_timeout_s,  # the other jobs' turns: the job's own timeout bounds it
         "out": str(folder / "result.json"),
@@ -470,7 +496,7 @@ def _run_jobs(
         thread = by_control[control].thread
         return thread is not None and thread.is_alive()
 
-    link = LinkSchedule(bench.rates, shape)
+    link = LinkSchedule(bench.rates, shape, turns=[bench.turns_at(r) for r in bench.rates])
     try:
         for job in jobs:
             _start(bench, job)
@@ -587,6 +613,7 @@ def _assemble(
                         "samples_per_s": round(bench.global_batch_size / measured["step_s"], 3),
                         "step_s": round(measured["step_s"], 5),
                         "timed_step_s": measured["timed_step_s"],
+                        "turn_step_s": measured.get("turn_step_s"),
                         "warmup_step_s": measured["warmup_step_s"],
                         "rank_hosts": report["hosts"],
                     }

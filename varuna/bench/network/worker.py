@@ -13,7 +13,10 @@ that rate (the parent shapes the link and lets the bench's jobs measure one afte
 the link, profiles the network if asked (`profile_network`: what the planner decides with; with
 `sharing_rounds` also how much ranks sharing the cores slow each other, `measure_slowdown`), and
 every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
-by step (a shared host's speed drifts; adjacent steps see the same host). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
+by step (a shared host's speed drifts; adjacent steps see the same host). Where a rate gives the job
+several turns (`turns_per_rate`; the other jobs measure in between, `varuna.bench.network.rates`)
+the timed steps are split between them and each turn starts with `warmup` untimed rounds of its own;
+a system's `step_s` is the median over every turn's timed steps (`turn_step_s` keeps them by turn). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
 its time is the slowest rank's. Where `gauge_repeats` > 0 rank 0 times the model's compute before
 the first timed round and after each (`RoundGauges`, `compute_gauge`): the host's speed while this
 job measured at that rate, their median `compute_s`, with which the planner prices this job's
@@ -255,51 +258,75 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     gauge_model = probe_model if gauged and rank == 0 else None
     kinds = {system_key(s): s["system"] for s in spec["systems"]}
     control = Path(spec["control"])
-    points = []
-    for index in range(spec["rates"] + 1):  # the last ask: the parent unshapes the link
-        rate = wait_rate(control, index, ask=rank == 0, timeout_s=spec["rate_wait_s"])
+    steps_per_rate = spec.get("steps_per_rate", [spec["steps"]] * spec["rates"])
+    turns_per_rate = spec.get("turns_per_rate", [1] * spec["rates"])
+    # every turn of the run in order, as the parent numbers them: (rate index, turn at that rate)
+    plan = [(i, k) for i, turns in enumerate(turns_per_rate) for k in range(turns)]
+    points: list[dict[str, Any]] = []
+    t0, first = time.perf_counter(), 0
+    gauge_s: list[float] = []
+    timed_s: dict[str, list[float]] = {}
+    for number in range(len(plan) + 1):  # the last ask: the parent unshapes the link
+        rate = wait_rate(control, number, ask=rank == 0, timeout_s=spec["rate_wait_s"])
         dist.barrier()
-        if index == spec["rates"]:
+        if number == len(plan):
             break
-        t0 = time.perf_counter()
-        link = probe_link(hosts, rate)
-        point: dict[str, Any] = {"index": index, "rate_mbit": rate, "link_mbit": link, "systems": {}}
-        if spec["profile_network"]:
-            t1 = time.perf_counter()
-            point["network"] = profile_network(p2p_bytes=network_probe_bytes(rate)).to_json()
-            point["network_profile_s"] = time.perf_counter() - t1
-        if sharing_rounds:
-            assert probe_model is not None
-            t1 = time.perf_counter()
-            slowdown = measure_slowdown(
-                probe_model, batches[0], micro_batch_size=spec["micro_batch_size"], rounds=sharing_rounds
-            )
-            point["compute_slowdown"] = {str(n): f for n, f in sorted(slowdown.items())}
-            point["sharing_profile_s"] = time.perf_counter() - t1
-        steps = spec.get("steps_per_rate", [spec["steps"]] * spec["rates"])[index]
+        index, turn = plan[number]
+        turns, steps = turns_per_rate[index], steps_per_rate[index]
+        if turn == 0:
+            t0 = time.perf_counter()
+            link = probe_link(hosts, rate)
+            point: dict[str, Any] = {"index": index, "rate_mbit": rate, "link_mbit": link, "systems": {}}
+            if spec["profile_network"]:
+                t1 = time.perf_counter()
+                point["network"] = profile_network(p2p_bytes=network_probe_bytes(rate)).to_json()
+                point["network_profile_s"] = time.perf_counter() - t1
+            if sharing_rounds:
+                assert probe_model is not None
+                t1 = time.perf_counter()
+                slowdown = measure_slowdown(
+                    probe_model, batches[0], micro_batch_size=spec["micro_batch_size"], rounds=sharing_rounds
+                )
+                point["compute_slowdown"] = {str(n): f for n, f in sorted(slowdown.items())}
+                point["sharing_profile_s"] = time.perf_counter() - t1
+            point["turns"] = turns
+            points.append(point)
+            gauge_s, timed_s = [], {}
+            first = 0  # the turn's first global batch: each turn goes on where the last stopped
+        point = points[-1]
+        mine = steps // turns + (turn < steps % turns)  # this turn's timed steps
         gauges = RoundGauges(gauge_model, batches[0], spec) if gauged else None
         if gauges is not None and warmup == 0:
             gauges(-1)  # before the first timed round (else after the last untimed one)
-        measured = measure(runners, batches[: warmup + steps], gauges)
-        if gauges is not None:  # the median over the timed rounds, as a system's step_s is
-            point["compute_s"] = statistics.median(gauges.seconds)
-            point["compute_gauges_s"] = [round(g, 5) for g in gauges.seconds]
+        measured = measure(runners, batches[first : first + warmup + mine], gauges)
+        first += warmup + mine
+        if gauges is not None:
+            gauge_s += gauges.seconds
         for key, m in measured.items():
-            timed = m["step_s"][warmup:]
-            point["systems"][key] = {
-                "step_s": statistics.median(timed),
-                "timed_step_s": [round(t, 5) for t in timed],
-                "warmup_step_s": [round(t, 5) for t in m["step_s"][:warmup]],
-                "losses": [_global_loss(kinds[key], per) for per in m["losses"]],
-            }
-        points.append(point)
+            seen = point["systems"].setdefault(
+                key, {"timed_step_s": [], "warmup_step_s": [], "losses": [], "turn_step_s": []}
+            )
+            timed_s.setdefault(key, []).extend(m["step_s"][warmup:])
+            timed = [round(t, 5) for t in m["step_s"][warmup:]]
+            seen["timed_step_s"] += timed
+            seen["turn_step_s"].append(timed)
+            seen["warmup_step_s"] += [round(t, 5) for t in m["step_s"][:warmup]]
+            seen["losses"] += [_global_loss(kinds[key], per) for per in m["losses"]]
+        if turn < turns - 1:
+            continue
+        for key, seen in point["systems"].items():  # the median over every turn's timed steps
+            seen["step_s"] = statistics.median(timed_s[key])
+        if gauges is not None:  # the median over every timed round of every turn, as step_s is
+            point["compute_s"] = statistics.median(gauge_s)
+            point["compute_gauges_s"] = [round(g, 5) for g in gauge_s]
         if rank == 0:
             rates = ", ".join(
                 f"{k} {spec['global_batch_size'] / s['step_s']:.2f}" for k, s in point["systems"].items()
             )
             shaped = "unshaped" if rate is None else f"{rate:g} Mbit/s"
             worker_log(
-                f"{shaped} (gloo saw {link:.0f} Mbit/s): {rates} samples/s ({time.perf_counter() - t0:.0f} s)"
+                f"{shaped} (gloo saw {point['link_mbit']:.0f} Mbit/s, {turns} turn{'s' * (turns > 1)}): "
+                f"{rates} samples/s ({time.perf_counter() - t0:.0f} s)"
             )
     for runner in runners.values():
         if isinstance(runner, _VarunaRunner):
