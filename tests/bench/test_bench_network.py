@@ -346,44 +346,18 @@ def test_the_network_profile_sends_about_half_a_second_of_the_rate() -> None:
     assert network_probe_bytes(2000.0) == 4 * 2**20
 
 
-def test_the_jobs_take_turns_at_each_rate_and_the_link_changes_only_between_rates(tmp_path: Path) -> None:
-    rates = [None, 1000.0, 50.0]
+def _serve(
+    tmp_path: Path, rates: list[float | None], turns: list[int] | None = None
+) -> tuple[list[float | None], list[tuple[str, int, float | None, float | None]]]:
+    """Two jobs' rank 0 in threads, each asking for every turn in order, served by a LinkSchedule:
+    the rates the link was set to, and (job, turn, rate told, the link's rate then) per turn."""
     shaped: list[float | None] = []
     seen: list[tuple[str, int, float | None, float | None]] = []
     folders = {name: tmp_path / name for name in ("a", "b")}
+    count = sum(turns) if turns is not None else len(rates)
 
-    def job(name: str) -> None:  # rank 0 of a job: measure at each rate, then ask for the next
-        for index in range(len(rates) + 1):
-            rate = wait_rate(folders[name], index, ask=True, timeout_s=10)
-            seen.append((name, index, rate, shaped[-1] if shaped else None))
-            time.sleep(0.01)
-
-    for folder in folders.values():
-        folder.mkdir()
-    threads = {name: threading.Thread(target=job, args=(name,)) for name in folders}
-    link = LinkSchedule(rates, shaped.append)
-    for name, thread in threads.items():
-        thread.start()
-        link.ready(folders[name], 0, lambda f: True)
-    link.serve(list(folders.values()), lambda f: threads[f.name].is_alive())
-    for thread in threads.values():
-        thread.join(10)
-    assert shaped == [1000.0, 50.0, None]  # the link starts unshaped; set once per rate
-    order = [(name, index) for name, index, _, _ in seen]
-    assert order[:6] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
-    assert sorted(order[6:]) == [("a", 3), ("b", 3)]  # told together that they are done
-    for _, index, rate, link_rate in seen:  # each measured at the rate the link had
-        assert rate == (rates[index] if index < len(rates) else None) == link_rate
-
-
-def test_with_two_turns_at_a_rate_the_jobs_go_a_b_b_a(tmp_path: Path) -> None:
-    rates, turns = [None, 1000.0, 50.0], [2, 2, 1]
-    shaped: list[float | None] = []
-    seen: list[tuple[str, int, float | None, float | None]] = []
-    folders = {name: tmp_path / name for name in ("a", "b")}
-
-    def job(name: str) -> None:  # rank 0 of a job: every turn in order, then the last ask
-        for number in range(sum(turns) + 1):
+    def job(name: str) -> None:  # measure in each turn, then ask for the next
+        for number in range(count + 1):
             rate = wait_rate(folders[name], number, ask=True, timeout_s=10)
             seen.append((name, number, rate, shaped[-1] if shaped else None))
             time.sleep(0.01)
@@ -398,6 +372,22 @@ def test_with_two_turns_at_a_rate_the_jobs_go_a_b_b_a(tmp_path: Path) -> None:
     link.serve(list(folders.values()), lambda f: threads[f.name].is_alive())
     for thread in threads.values():
         thread.join(10)
+    return shaped, seen
+
+
+def test_the_jobs_take_turns_at_each_rate_and_the_link_changes_only_between_rates(tmp_path: Path) -> None:
+    rates = [None, 1000.0, 50.0]
+    shaped, seen = _serve(tmp_path, rates)
+    assert shaped == [1000.0, 50.0, None]  # the link starts unshaped; set once per rate
+    order = [(name, index) for name, index, _, _ in seen]
+    assert order[:6] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert sorted(order[6:]) == [("a", 3), ("b", 3)]  # told together that they are done
+    for _, index, rate, link_rate in seen:  # each measured at the rate the link had
+        assert rate == (rates[index] if index < len(rates) else None) == link_rate
+
+
+def test_with_two_turns_at_a_rate_the_jobs_go_a_b_b_a(tmp_path: Path) -> None:
+    shaped, seen = _serve(tmp_path, [None, 1000.0, 50.0], [2, 2, 1])
     assert shaped == [1000.0, 50.0, None]  # still set once per rate, not per turn
     order = [(name, number) for name, number, _, _ in seen]
     assert order[:10] == [
