@@ -263,9 +263,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     # every turn of the run in order, as the parent numbers them: (rate index, turn at that rate)
     plan = [(i, k) for i, turns in enumerate(turns_per_rate) for k in range(turns)]
     points: list[dict[str, Any]] = []
-    t0, first = time.perf_counter(), 0
-    gauge_s: list[float] = []
-    timed_s: dict[str, list[float]] = {}
     for number in range(len(plan) + 1):  # the last ask: the parent unshapes the link
         rate = wait_rate(control, number, ask=rank == 0, timeout_s=spec["rate_wait_s"])
         dist.barrier()
@@ -291,34 +288,30 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
                 point["sharing_profile_s"] = time.perf_counter() - t1
             point["turns"] = turns
             points.append(point)
-            gauge_s, timed_s = [], {}
+            # one gauge for every turn of the rate: its readings run on over the turns
+            gauges = RoundGauges(gauge_model, batches[0], spec) if gauged else None
             first = 0  # the turn's first global batch: each turn goes on where the last stopped
         point = points[-1]
         mine = steps // turns + (turn < steps % turns)  # this turn's timed steps
-        gauges = RoundGauges(gauge_model, batches[0], spec) if gauged else None
         if gauges is not None and warmup == 0:
             gauges(-1)  # before the first timed round (else after the last untimed one)
         measured = measure(runners, batches[first : first + warmup + mine], gauges)
         first += warmup + mine
-        if gauges is not None:
-            gauge_s += gauges.seconds
         for key, m in measured.items():
-            seen = point["systems"].setdefault(
-                key, {"timed_step_s": [], "warmup_step_s": [], "losses": [], "turn_step_s": []}
-            )
-            timed_s.setdefault(key, []).extend(m["step_s"][warmup:])
-            timed = [round(t, 5) for t in m["step_s"][warmup:]]
-            seen["timed_step_s"] += timed
-            seen["turn_step_s"].append(timed)
+            seen = point["systems"].setdefault(key, {"turn_step_s": [], "warmup_step_s": [], "losses": []})
+            seen["turn_step_s"].append(m["step_s"][warmup:])
             seen["warmup_step_s"] += [round(t, 5) for t in m["step_s"][:warmup]]
             seen["losses"] += [_global_loss(kinds[key], per) for per in m["losses"]]
         if turn < turns - 1:
             continue
-        for key, seen in point["systems"].items():  # the median over every turn's timed steps
-            seen["step_s"] = statistics.median(timed_s[key])
+        for seen in point["systems"].values():  # the median over every turn's timed steps
+            timed = [t for steps_of_turn in seen["turn_step_s"] for t in steps_of_turn]
+            seen["step_s"] = statistics.median(timed)
+            seen["timed_step_s"] = [round(t, 5) for t in timed]
+            seen["turn_step_s"] = [[round(t, 5) for t in ts] for ts in seen["turn_step_s"]]
         if gauges is not None:  # the median over every timed round of every turn, as step_s is
-            point["compute_s"] = statistics.median(gauge_s)
-            point["compute_gauges_s"] = [round(g, 5) for g in gauge_s]
+            point["compute_s"] = statistics.median(gauges.seconds)
+            point["compute_gauges_s"] = [round(g, 5) for g in gauges.seconds]
         if rank == 0:
             rates = ", ".join(
                 f"{k} {spec['global_batch_size'] / s['step_s']:.2f}" for k, s in point["systems"].items()
