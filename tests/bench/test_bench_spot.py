@@ -92,6 +92,20 @@ def test_spot_bench_quick_replays_the_trace_under_every_policy() -> None:
     assert set(report["throughput_by_ranks"]) == {
         str(len(p)) for _, _, p in report["trace"]["availability"] if p
     }
+    # the quick run replays the policies side by side, each on worker hosts of its own
+    assert report["settings"]["side_by_side"] is True
+    hosts = [report["elastic"]["hosts"]] + [b["hosts"] for b in report["baselines"].values()]
+    assert all(len(h) == 2 for h in hosts) and len({x for h in hosts for x in h}) == 6, hosts
+
+
+def test_replays_side_by_side_need_a_host_per_node_for_each_policy() -> None:
+    from varuna.bench.spot import SpotBench, quick
+
+    quick().check()  # 1 + 2 nodes x 3 policies: 7 hosts
+    SpotBench(nodes=8).check()  # one after the other: the hosts are reused
+    with pytest.raises(ConfigError, match=r"nodes x 3 replays at once must be 1..8 .*got nodes 4"):
+        SpotBench(nodes=4, side_by_side=True).check()
+    SpotBench(nodes=4, side_by_side=True, policies=("elastic", "static")).check()
 
 
 def test_a_run_folder_that_holds_an_earlier_run_is_refused(tmp_path: Path) -> None:

@@ -34,7 +34,9 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,13 +83,24 @@ class SpotBench:
     lr: float = 0.01
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
+    side_by_side: bool = False
+    """Replay the policies at once, each on worker hosts of its own, instead of one after the other:
+    the quick run's smoke test of every path in about half the time. Each replay's trace then starts
+    at its job's first step, not at its launch: three launches at once on two shared cores took up
+    to 6 s, past the quick trace's first removal. The replays share the cores (their jobs' steps are
+    mostly the stand-in's sleep, their launches are not), so their goodputs are not those of replays
+    run alone, nor counted from the launch; the ideal is measured alone either way."""
 
     def check(self) -> None:
         require_positive(
             self, "nodes", "pipeline", "global_batch_size", "micro_batch_size", "checkpoint_every"
         )
-        if not 2 <= self.nodes + 1 <= 9:
-            raise ConfigError(f"SpotBench.nodes must be 1..8 (one namespace host each), got {self.nodes}")
+        copies = len(self.policies) if self.side_by_side else 1
+        if 1 + self.nodes * copies > 9:
+            raise ConfigError(
+                f"SpotBench.nodes x {copies} replay{'s' * (copies > 1)} at once must be 1..8 (one namespace "
+                f"host each, beside the agents' host), got nodes {self.nodes}"
+            )
         if not self.duration_s > 0:
             raise ConfigError(f"SpotBench.duration_s must be > 0, got {self.duration_s}")
 
@@ -97,8 +110,9 @@ def full() -> SpotBench:
 
 
 def quick() -> SpotBench:
-    """Two nodes over 28 s (QUICK_TRACE unless a trace is given), 4 measured steps, a 2 s settle."""
-    return SpotBench(duration_s=28.0, nodes=2, measure_steps=4, settle_s=2.0)
+    """Two nodes over 28 s (QUICK_TRACE unless a trace is given), 4 measured steps, a 2 s settle, the
+    three policies' replays side by side (`SpotBench.side_by_side`)."""
+    return SpotBench(duration_s=28.0, nodes=2, measure_steps=4, settle_s=2.0, side_by_side=True)
 
 
 # ---------------------------------------------------------------------------------- the jobs
@@ -180,9 +194,23 @@ def _current_job(run_dir: Path) -> str | None:
 
 
 def replay(
-    bench: SpotBench, hosts: NetnsHosts, trace: Trace, mapping: dict[str, str], policy: str, out: Path
+    bench: SpotBench,
+    hosts: NetnsHosts,
+    trace: Trace,
+    mapping: dict[str, str],
+    policy: str,
+    out: Path,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Run the job under `policy` while replaying `trace`; what `analyse` makes of it."""
+    """Run the job under `policy` while replaying `trace`; what `analyse` makes of it. Once `stop` is
+    set (the run is ending: replays side by side) its waits end with a LaunchError."""
+
+    def sleep(seconds: float) -> None:
+        if stop is None:
+            time.sleep(max(0.0, seconds))
+        elif stop.wait(max(0.0, seconds)):
+            raise LaunchError(f"spot bench {policy}: stopped while replaying")
+
     folder = out / policy
     run_dir = folder / "run"
     (run_dir / AGENT_DIR).mkdir(parents=True, exist_ok=True)
@@ -213,8 +241,10 @@ def replay(
         )
         start = time.time()
         try:
+            if bench.side_by_side:  # the trace starts once the job trains (see SpotBench.side_by_side)
+                start = _first_step(run_dir, agent, policy)
             for event in trace.removals(notices=policy == "elastic"):
-                time.sleep(max(0.0, start + event.at_s - time.time()))
+                sleep(start + event.at_s - time.time())
                 if agent.poll() is not None:
                     raise LaunchError(f"spot bench {policy}: the agent ended early ({folder / 'agent.log'})")
                 host = mapping[event.node]
@@ -233,7 +263,7 @@ def replay(
                     edit_hostfile(hostfile, remove=[host])
                     _kill_ranks(hosts, host)
                 changes.append({"at_s": round(time.time() - start, 2), "event": event.kind, "host": host})
-            time.sleep(max(0.0, start + trace.end_s - time.time()))
+            sleep(start + trace.end_s - time.time())
             end = time.time()
             write_intent(run_dir, "stop")
             post_stop(run_dir, reason="end of the trace", job=_current_job(run_dir))
@@ -248,6 +278,7 @@ def replay(
                 agent.wait()
     result = analyse(run_dir, start, end, bench.global_batch_size)
     result["changes"] = changes
+    result["hosts"] = sorted(mapping.values())
     log(
         f"{policy}: {result['samples']} samples in {end - start:.0f} s, goodput {result['goodput']:.2f} samples/s, "
         f"{result['launches']} launches"
@@ -282,6 +313,22 @@ def analyse(run_dir: Path, start: float, end: float, global_batch: int) -> dict[
         "steps_trained_twice": len(steps) - len(set(steps)),
         "losses": [[e["step"], e["loss"]] for e in trajectory],
     }
+
+
+def _first_step(
+    run_dir: Path, agent: subprocess.Popen[bytes], policy: str, timeout_s: float = 120.0
+) -> float:
+    """When the job of `run_dir` logged its first step (wall time); a LaunchError if its agent ends
+    first or none comes within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        steps = _steps(run_dir)
+        if steps:
+            return float(steps[0]["time"])
+        if agent.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise LaunchError(f"spot bench {policy}: the job logged no step (agent log beside {run_dir})")
 
 
 def plain_losses(bench: SpotBench, steps: int) -> list[float]:
@@ -320,17 +367,33 @@ def run(bench: SpotBench, trace: Trace, out: Path) -> dict[str, Any]:
     nodes = trace.nodes
     t0 = time.perf_counter()
     fresh_out(out)
-    hosts = NetnsHosts(1 + len(nodes), workdir=out).up()
+    copies = len(bench.policies) if bench.side_by_side else 1
+    hosts = NetnsHosts(1 + len(nodes) * copies, workdir=out).up()
     workers = hosts.names[1:]
-    mapping = dict(zip(nodes, workers, strict=False))
+    # each replay's trace nodes -> worker hosts (side by side: hosts of its own)
+    mappings = [dict(zip(nodes, workers[k * len(nodes) :], strict=False)) for k in range(copies)]
+    mapping = mappings[0]
     spans = trace.availability()
+    pool = ThreadPoolExecutor(len(bench.policies)) if bench.side_by_side else None
+    stop = threading.Event()
     try:
         counts = sorted({len(p) for _, _, p in spans if p})
         throughput = {n: measure(bench, hosts, workers, n, out) for n in counts}
         log("samples/s by ranks: " + ", ".join(f"{n}: {v:.2f}" for n, v in throughput.items()))
-        results = {policy: replay(bench, hosts, trace, mapping, policy, out) for policy in bench.policies}
+        if pool is not None:
+            log(f"replaying {', '.join(bench.policies)} side by side")
+            running = [
+                pool.submit(replay, bench, hosts, trace, mappings[k], policy, out, stop)
+                for k, policy in enumerate(bench.policies)
+            ]
+            results = {policy: f.result() for policy, f in zip(bench.policies, running, strict=True)}
+        else:
+            results = {policy: replay(bench, hosts, trace, mapping, policy, out) for policy in bench.policies}
     finally:
+        stop.set()  # replays still running side by side (one failed, or SIGTERM) end their waits
         hosts.down()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     ideal = sum((b - a) * throughput.get(len(p), 0.0) for a, b, p in spans) / trace.end_s
     elastic = results.get("elastic")
     report: dict[str, Any] = {"bench": "spot", "date": time.strftime("%Y-%m-%d")}
