@@ -128,7 +128,8 @@ def test_the_fast_rates_take_more_timed_steps_in_more_turns() -> None:
     assert NetworkBench(steps=3).steps_at(None) == 3  # no fast_steps: the same at every rate
     assert NetworkBench(steps=3).turns_at(None) == 1  # one turn unless asked
     assert quick().steps_at(None) > quick().steps_at(20.0)
-    assert full().turns_at(None) == quick().turns_at(None) == 2 and full().turns_at(50.0) == 1
+    assert full().turns_at(None) == 5 and quick().turns_at(None) == 2 and full().turns_at(50.0) == 1
+    assert full().steps_at(None) % full().turns_at(None) == 0  # the same timed steps in every turn
 
 
 @pytest.mark.parametrize(
@@ -140,7 +141,8 @@ def test_the_fast_rates_take_more_timed_steps_in_more_turns() -> None:
         ),
         ({"rates": (None, 0.0)}, r"rates \(None, 0.0\) must be Mbit/s > 0"),
         ({"jobs": ("blocks", "nope")}, r"jobs names 'nope'; the jobs are \('blocks', 'alternate'\)"),
-        ({"warmup": -1}, r"warmup must be >= 0 \(got -1\)"),
+        ({"warmup": -1}, r"warmup and turn_warmup must be >= 0 \(got -1, 0\)"),
+        ({"turn_warmup": -1}, r"warmup and turn_warmup must be >= 0 \(got 1, -1\)"),
         ({"steps": 0}, r"NetworkBench.steps must be a positive integer"),
         ({"schedule": "varuna"}, r"schedule 'varuna' is not one of \('gpipe', '1f1b', "),
         (
@@ -463,12 +465,12 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
                 assert r["samples_per_s"] == pytest.approx(report["global_batch"] / r["step_s"], rel=1e-3)
                 # more timed steps at the fast rates (unshaped here) than at 20 Mbit/s
                 assert len(r["timed_step_s"]) == bench.steps_at(point["rate_mbit"]), (point["rate_mbit"], r)
-                # in as many turns as the rate gives each job, each after its own warm-up
+                # in as many turns as the rate gives each job, only the first after a warm-up
                 turns = bench.turns_at(point["rate_mbit"])
                 assert len(r["turn_step_s"]) == turns and sum(map(len, r["turn_step_s"])) == len(
                     r["timed_step_s"]
                 )
-                assert len(r["warmup_step_s"]) == bench.warmup * turns
+                assert len(r["warmup_step_s"]) == bench.warmup + bench.turn_warmup * (turns - 1)
         # the ranks ran where each placement needs them: each rank's own host name
         placements = report["placements_verified"]
         assert placements["replicas-across-hosts"]["rank_hosts"] == ["h2", "h2", "h3", "h3"]
@@ -522,12 +524,10 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
         # each point priced with the compute timed beside its steps (the host drifts over a run); a
         # timing ratio, so only its presence is asserted, never its size
         factors = [p["planner"]["compute_factor"] for p in report["points"]]
-        for name in bench.jobs:  # timed before the first timed round and after each; their median
+        for name in bench.jobs:  # timed before a rate's first timed round and after each; their median
             job = json.loads((Path(report["out"]) / f"job-{name}" / "result.json").read_text())
             for rate, at in zip(bench.rates, job["points"], strict=True):
-                assert len(at["compute_gauges_s"]) == bench.steps_at(rate) + bench.turns_at(rate), at[
-                    "compute_gauges_s"
-                ]
+                assert len(at["compute_gauges_s"]) == bench.steps_at(rate) + 1, at["compute_gauges_s"]
                 assert at["compute_s"] == pytest.approx(statistics.median(at["compute_gauges_s"]), abs=1e-5)
         assert all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in factors), factors
         # every job timed the compute beside its own steps at every rate, and each measured

@@ -51,9 +51,10 @@ A job keeps its processes for every rate, so its engines are built once while th
 unshaped, and the two jobs live side by side: at each rate the bench shapes the link and lets them
 measure one after the other (`varuna.bench.network.rates`), so that the two 2x2 placements are
 measured seconds apart, not a whole job apart (a shared host's speed drifts over minutes). At the
-fast rates each job takes two turns, in the order A B B A (`fast_turns`), its timed steps split
-between them: a slow spell of a few steps then falls on both jobs' systems, where with one turn each
-it slowed only the job measuring then and moved the pick between the two 2x2 placements. Within
+fast rates each job takes five turns, in the order A B B A A B B A A B (`fast_turns`), its timed steps
+split between them (two a turn), and only a rate's first turn starts with a warm-up round: a slow or
+fast spell of the host, tens of seconds long, then falls on both jobs' systems, where with one turn
+each (and with two) it fell on one job's and moved the pick between the two 2x2 placements. Within
 a job the systems alternate step by step. While one job measures, the other's ranks only poll a
 file. A step is timed from a barrier to the end of the optimizer step, the slowest rank's; step_s
 is the median of the timed steps after the warm-up (`fast_steps` of them at the fast rates, where
@@ -185,11 +186,14 @@ class NetworkBench:
     """The slowest shaped rate that counts as fast for `fast_steps` and `fast_turns`, in Mbit/s."""
     fast_turns: int = 1
     """Turns each job takes at the fast rates (`varuna.bench.network.rates`): with 2 the jobs measure
-    in the order A B and then B A, the timed steps split between the turns and each turn after
-    `warmup` untimed rounds, so that a slow spell of the shared host falls on every job's systems
-    alike, not only on those of the job measuring then (the two 2x2 placements are in different
-    jobs); 1: one turn each. The slow rates take one: there the shapes are far apart and a round
-    takes tens of seconds."""
+    in the order A B and then B A (with 5: A B B A A B B A A B), the timed steps split between the
+    turns, so that a slow spell of the shared host falls on every job's systems alike, not only on
+    those of the job measuring then (the two 2x2 placements are in different jobs); 1: one turn each.
+    The slow rates take one: there the shapes are far apart and a round takes tens of seconds."""
+    turn_warmup: int = 0
+    """Untimed rounds at the start of each of a rate's turns after the first (which has `warmup`):
+    the link is shaped and the engines are warm by then. In the runs with a warm-up round in each of
+    two turns, the second turn's warm-up step took 1.00-1.03x the median step (docs/benchmarks/network.md)."""
     sharing_rounds: int = 3
     """Rounds of `measure_slowdown` the network-profiling job runs at each rate, beside the network's
     profile: the planner prices every rate with the median of these readings over the run (the
@@ -217,8 +221,10 @@ class NetworkBench:
 
     def __post_init__(self) -> None:
         require_positive(self, "global_batch_size", "micro_batch_size", "steps", "profile_repeats")
-        if self.warmup < 0:
-            raise ConfigError(f"NetworkBench.warmup must be >= 0 (got {self.warmup})")
+        if self.warmup < 0 or self.turn_warmup < 0:
+            raise ConfigError(
+                f"NetworkBench.warmup and turn_warmup must be >= 0 (got {self.warmup}, {self.turn_warmup})"
+            )
         if self.fast_steps < 0:
             raise ConfigError(
                 f"NetworkBench.fast_steps must be >= 0 (got {self.fast_steps}; 0: `steps` at every rate)"
@@ -288,7 +294,7 @@ def full() -> NetworkBench:
     against 24 KiB of activations per sample at a stage boundary), global batch 256 in micro-batches
     of 16; unshaped, then 2000, 1000, 500, 200, 50 and 20 Mbit/s; 10 timed steps per system from
     200 Mbit/s up (a slow spell of the shared host, a few rounds long, stays under the median), in
-    two turns per job (A B B A), 3 below."""
+    five turns per job of two steps each (A B B A A B B A A B), 3 below."""
     model = {"vocab_size": 2048, "seq_len": 32, "d_model": 192, "n_layer": 8, "n_head": 6} | UNTIED
     return NetworkBench(
         model=model,
@@ -296,15 +302,16 @@ def full() -> NetworkBench:
         micro_batch_size=16,
         rates=(None, 2000.0, 1000.0, 500.0, 200.0, 50.0, 20.0),
         fast_steps=10,
-        fast_turns=2,
+        fast_turns=5,
         job_timeout_s=2400.0,
     )
 
 
 def quick() -> NetworkBench:
     """A tiny GPT (vocab 2048, seq 16, d_model 64, 2 blocks), batch 16 in micro-batches of 2;
-    unshaped and 20 Mbit/s, two turns of 1 + 2 and 1 + 1 steps unshaped and 1 + 2 at 20 Mbit/s, a profile of 2 timed passes
-    after at most 2 s of waiting for a quiet host, one round of reading the shared cores per rate."""
+    unshaped and 20 Mbit/s: unshaped two turns, of 1 untimed + 2 timed rounds and of 1 timed round, at
+    20 Mbit/s 1 + 2 in one turn; a profile of 2 timed passes after at most 2 s of waiting for a quiet
+    host, one round of reading the shared cores per rate."""
     model = {"vocab_size": 2048, "seq_len": 16, "d_model": 64, "n_layer": 2, "n_head": 2} | UNTIED
     return NetworkBench(
         model=model,
@@ -393,8 +400,9 @@ def _prepare(
         "sharing_rounds": bench.sharing_rounds,
         "rates": len(bench.rates),
         "warmup": bench.warmup,
+        "turn_warmup": bench.turn_warmup,
         # the global batches of the longest rate: every turn's warm-up rounds and its timed ones
-        "steps": max(bench.steps_at(r) + (bench.turns_at(r) - 1) * bench.warmup for r in bench.rates),
+        "steps": max(bench.steps_at(r) + (bench.turns_at(r) - 1) * bench.turn_warmup for r in bench.rates),
         "steps_per_rate": [bench.steps_at(r) for r in bench.rates],
         "turns_per_rate": [bench.turns_at(r) for r in bench.rates],
         "control": str(folder / "rates"),
@@ -741,6 +749,8 @@ def run(bench: NetworkBench, out: Path) -> dict[str, Any]:
         "schedule": bench.schedule,
         "optimizer": "AdamW",
         "warmup_steps": bench.warmup,
+        "turn_warmup_steps": bench.turn_warmup,
+        "turns_fast": bench.fast_turns,
         "timed_steps": bench.steps,
         "timed_steps_fast": bench.fast_steps or bench.steps,
         "fast_from_mbit": bench.fast_from_mbit,

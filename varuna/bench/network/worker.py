@@ -15,7 +15,8 @@ the link, profiles the network if asked (`profile_network`: what the planner dec
 every system runs `warmup` + `steps` steps on the same global batches, the systems alternating step
 by step (a shared host's speed drifts; adjacent steps see the same host). Where a rate gives the job
 several turns (`turns_per_rate`; the other jobs measure in between, `varuna.bench.network.rates`)
-the timed steps are split between them and each turn starts with `warmup` untimed rounds of its own;
+the timed steps are split between them; the rate's first turn starts with `warmup` untimed rounds and
+each later one with `turn_warmup` (default 0: the link and the engines are warm from the first);
 a system's `step_s` is the median over every turn's timed steps (`turn_step_s` keeps them by turn). A step is timed from a barrier that lines the ranks up to the end of the optimizer step;
 its time is the slowest rank's. Where `gauge_repeats` > 0 rank 0 times the model's compute before
 the first timed round and after each (`RoundGauges`, `compute_gauge`): the host's speed while this
@@ -219,17 +220,19 @@ def compute_gauge(model: torch.nn.Module | None, batch: dict[str, Tensor], spec:
 
 
 class RoundGauges:
-    """`measure`'s `after_round`: the compute gauge (`compute_gauge`) after the last untimed round
-    (``warmup - 1``; call it with -1 before the first round when there is none) and after each
-    timed round: the host's speed over the rounds (`seconds`), rather than only on either side of
-    them, as a shared host can slow down for a few rounds and recover."""
+    """`measure`'s `after_round`: the compute gauge (`compute_gauge`) after the last of the turn's
+    `warmup` untimed rounds (round ``warmup - 1``; call it with -1 before the first round where a
+    rate's first turn has none) and after each timed round: the host's speed over the rounds
+    (`seconds`), rather than only on either side of them, as a shared host can slow down for a few
+    rounds and recover. Set `warmup` for each turn."""
 
     def __init__(self, model: torch.nn.Module | None, batch: dict[str, Tensor], spec: dict[str, Any]) -> None:
         self.model, self.batch, self.spec = model, batch, spec
+        self.warmup = spec["warmup"]
         self.seconds: list[float] = []
 
     def __call__(self, k: int) -> None:
-        if k >= self.spec["warmup"] - 1:
+        if k >= self.warmup - 1:
             self.seconds.append(compute_gauge(self.model, self.batch, self.spec))
 
 
@@ -248,7 +251,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     rank, _ = init_distributed()
     hosts = gather(socket.gethostname())
-    warmup = spec["warmup"]
+    warmup, turn_warmup = spec["warmup"], spec.get("turn_warmup", 0)
     batches = global_batches(spec)
     runners = build(spec, batches[0])
     gauged = spec.get("gauge_repeats", 0) > 0
@@ -293,14 +296,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             first = 0  # the turn's first global batch: each turn goes on where the last stopped
         point = points[-1]
         mine = steps // turns + (turn < steps % turns)  # this turn's timed steps
-        if gauges is not None and warmup == 0:
-            gauges(-1)  # before the first timed round (else after the last untimed one)
-        measured = measure(runners, batches[first : first + warmup + mine], gauges)
-        first += warmup + mine
+        untimed = warmup if turn == 0 else turn_warmup
+        if gauges is not None:
+            gauges.warmup = untimed
+            if untimed == 0 and turn == 0:
+                gauges(-1)  # before the rate's first timed round (else after the last untimed one)
+        measured = measure(runners, batches[first : first + untimed + mine], gauges)
+        first += untimed + mine
         for key, m in measured.items():
             seen = point["systems"].setdefault(key, {"turn_step_s": [], "warmup_step_s": [], "losses": []})
-            seen["turn_step_s"].append(m["step_s"][warmup:])
-            seen["warmup_step_s"] += [round(t, 5) for t in m["step_s"][:warmup]]
+            seen["turn_step_s"].append(m["step_s"][untimed:])
+            seen["warmup_step_s"] += [round(t, 5) for t in m["step_s"][:untimed]]
             seen["losses"] += [_global_loss(kinds[key], per) for per in m["losses"]]
         if turn < turns - 1:
             continue
