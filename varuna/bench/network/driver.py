@@ -192,8 +192,8 @@ class NetworkBench:
     The slow rates take one: there the shapes are far apart and a round takes tens of seconds."""
     turn_warmup: int = 0
     """Untimed rounds at the start of each of a rate's turns after the first (which has `warmup`):
-    the link is shaped and the engines are warm by then. In the runs with a warm-up round in each of
-    two turns, the second turn's warm-up step took 1.00-1.03x the median step (docs/benchmarks/network.md)."""
+    the link is shaped and the engines are warm by then (how a later turn's first step compared with
+    the others: docs/benchmarks/network.md, five turns)."""
     sharing_rounds: int = 3
     """Rounds of `measure_slowdown` the network-profiling job runs at each rate, beside the network's
     profile: the planner prices every rate with the median of these readings over the run (the

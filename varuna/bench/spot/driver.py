@@ -85,11 +85,11 @@ class SpotBench:
     policies: tuple[str, ...] = POLICIES
     side_by_side: bool = False
     """Replay the policies at once, each on worker hosts of its own, instead of one after the other:
-    the quick run's smoke test of every path in about half the time. Each replay's trace then starts
-    at its job's first step, not at its launch: three launches at once on two shared cores took up
-    to 6 s, past the quick trace's first removal. The replays share the cores (their jobs' steps are
-    mostly the stand-in's sleep, their launches are not), so their goodputs are not those of replays
-    run alone, nor counted from the launch; the ideal is measured alone either way."""
+    the quick run's smoke test of every path. Each replay's trace then starts at its job's first
+    step, not at its launch: launches at once on shared cores can take past the quick trace's first
+    removal (docs/benchmarks/spot.md). The replays share the cores (their jobs' steps are mostly the
+    stand-in's sleep, their launches are not), so their goodputs are not those of replays run alone,
+    nor counted from the launch; the ideal is measured alone either way."""
 
     def check(self) -> None:
         require_positive(
