@@ -200,15 +200,13 @@ def replay(
     mapping: dict[str, str],
     policy: str,
     out: Path,
-    stop: threading.Event | None = None,
+    stop: threading.Event,
 ) -> dict[str, Any]:
     """Run the job under `policy` while replaying `trace`; what `analyse` makes of it. Once `stop` is
-    set (the run is ending: replays side by side) its waits end with a LaunchError."""
+    set (the run is ending, e.g. another replay side by side failed) its waits end with a LaunchError."""
 
     def sleep(seconds: float) -> None:
-        if stop is None:
-            time.sleep(max(0.0, seconds))
-        elif stop.wait(max(0.0, seconds)):
+        if stop.wait(max(0.0, seconds)):
             raise LaunchError(f"spot bench {policy}: stopped while replaying")
 
     folder = out / policy
@@ -388,7 +386,7 @@ def run(bench: SpotBench, trace: Trace, out: Path) -> dict[str, Any]:
             ]
             results = {policy: f.result() for policy, f in zip(bench.policies, running, strict=True)}
         else:
-            results = {policy: replay(bench, hosts, trace, mapping, policy, out) for policy in bench.policies}
+            results = {p: replay(bench, hosts, trace, mapping, p, out, stop) for p in bench.policies}
     finally:
         stop.set()  # replays still running side by side (one failed, or SIGTERM) end their waits
         hosts.down()
