@@ -25,13 +25,16 @@ $(STAMP): pyproject.toml widgets/pyproject.toml Makefile
 install: $(STAMP)
 
 # The unit tier runs in-process on one core, so `make lint docs` runs beside it on the other (its output
-# is printed when both are done); then every other tier. Any failure of the first part stops the second.
+# is printed when both are done); then every other tier, in two streams side by side: the tests marked
+# `foreground` (timing-sensitive or mostly waiting) at the normal CPU priority, the rest in a CPU cgroup
+# of a low share (tests/run_tiers.py; one after the other where no cgroup can be made). Any failure of
+# the first part stops the second.
 test: install $(CHROMIUM) netns-tools slurm-tools
 	@$(MAKE) --no-print-directory lint docs > $(VENV)/checks.log 2>&1 & checks=$$!; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/unit; unit=$$?; \
 	wait $$checks; checked=$$?; cat $(VENV)/checks.log; \
 	[ $$checked = 0 ] || { echo "make test: make lint docs failed (above)"; exit 1; }; exit $$unit
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25 --ignore=tests/unit
+	OMP_NUM_THREADS=1 $(BIN)/python tests/run_tiers.py --log $(VENV)/background-tests.log --durations=15
 
 # The unit tier only (tests/unit: no processes, well under a minute).
 test-quick: install

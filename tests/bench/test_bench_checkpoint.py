@@ -13,6 +13,8 @@ from _helpers import run_bench
 from varuna.bench.checkpoint import MODES, CheckpointBench, quick
 from varuna.errors import ConfigError
 
+pytestmark = pytest.mark.foreground
+
 
 def _positive(value: object) -> bool:
     return (

@@ -12,6 +12,8 @@ from _helpers import run_bench
 
 from varuna.bench.faults import all_cases, select
 
+pytestmark = pytest.mark.foreground
+
 
 def test_cases_are_many_named_once_and_of_the_three_kinds() -> None:
     cases = all_cases()

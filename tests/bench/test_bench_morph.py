@@ -14,6 +14,8 @@ from _helpers import run_bench
 from varuna.bench.morph import MorphBench, driver, quick
 from varuna.errors import ConfigError
 
+pytestmark = pytest.mark.foreground
+
 POSITIVE = (
     "params",
     "bytes",

@@ -28,6 +28,8 @@ from varuna.bench.network.report import label, planner_lines
 from varuna.bench.network.worker import network_probe_bytes
 from varuna.errors import ConfigError
 
+pytestmark = pytest.mark.foreground
+
 SYSTEMS = {
     ("varuna", "1x4", None),
     ("varuna", "2x2", "replicas-across-hosts"),

@@ -16,6 +16,8 @@ from varuna.bench.netns import unavailable
 from varuna.bench.spot import DEFAULT_TRACE, QUICK_TRACE, read_trace
 from varuna.errors import ConfigError
 
+pytestmark = pytest.mark.foreground
+
 
 def test_the_default_trace_has_notices_unannounced_removals_and_returns() -> None:
     trace = read_trace(DEFAULT_TRACE)

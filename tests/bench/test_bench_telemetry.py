@@ -15,6 +15,8 @@ from varuna.bench.telemetry import TelemetryBench, analyse
 from varuna.bench.telemetry.worker import phases
 from varuna.errors import ConfigError
 
+pytestmark = pytest.mark.foreground
+
 
 def synthetic(pairs: int, extra: float, memory_extra: float, memory_every: int) -> list[dict]:
     """Steps of 1 s that drift slowly; "on" steps take `extra` longer, counting ones `memory_extra` more."""

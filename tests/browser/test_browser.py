@@ -12,6 +12,8 @@ import re
 import browser
 import pytest
 
+pytestmark = pytest.mark.foreground
+
 ROWS = ["stage 0 · replica 0", "stage 1 · replica 0"]
 
 

@@ -18,7 +18,7 @@ from varuna.bench.netns import NETNS_ETC, SUBNET, NetnsHosts, remove_stale, unav
 from varuna.comm.addresses import interface_addresses as addresses_here
 from varuna.comm.addresses import network_stack
 
-pytestmark = [pytest.mark.multihost, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.multihost, pytest.mark.foreground, pytest.mark.timeout(120)]
 
 WHO = """
 import json, socket

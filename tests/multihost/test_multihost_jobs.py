@@ -33,7 +33,7 @@ from varuna.telemetry.events import read_events
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import reference  # noqa: E402
 
-pytestmark = [pytest.mark.multihost]
+pytestmark = [pytest.mark.multihost, pytest.mark.foreground]
 DRIVER = SCRIPTS / "multihost_controller.py"
 STEER_STEPS = 24
 

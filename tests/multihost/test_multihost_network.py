@@ -25,7 +25,7 @@ from _helpers import REPO, SCRIPTS
 from varuna.bench.netns import NetnsHosts
 from varuna.planner.costs import CostTable
 
-pytestmark = [pytest.mark.multihost, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.multihost, pytest.mark.foreground, pytest.mark.timeout(400)]
 SLOW_MBIT = 20
 
 

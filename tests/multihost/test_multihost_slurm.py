@@ -36,7 +36,7 @@ from transparency_common import reference  # noqa: E402
 
 from varuna._slurm import expand_hostlist  # noqa: E402
 
-pytestmark = [pytest.mark.multihost, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.multihost, pytest.mark.foreground, pytest.mark.timeout(150)]
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from varuna.bench.netns import NetnsHosts
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import reference  # noqa: E402
 
-pytestmark = [pytest.mark.multihost]
+pytestmark = [pytest.mark.multihost, pytest.mark.foreground]
 STEPS = 400
 
 

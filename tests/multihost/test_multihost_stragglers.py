@@ -29,7 +29,7 @@ from _helpers import REPO, SCRIPTS
 from varuna.bench.netns import NetnsHosts
 from varuna.telemetry.events import read_events
 
-pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multihost, pytest.mark.foreground, pytest.mark.timeout(300)]
 STEPS, PAUSE = 40, 0.02
 QUOTA_US, PERIOD_US, HOGS = 25_000, 100_000, 2
 

@@ -26,7 +26,7 @@ from varuna.controller import JobController
 from varuna.elastic import agent
 from varuna.telemetry.events import read_events
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.foreground]
 STEPS = 100
 
 

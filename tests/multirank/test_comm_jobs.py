@@ -11,7 +11,7 @@ import pytest
 import torch
 from _helpers import REPO, SCRIPTS
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.foreground]
 
 
 def _two_ranks(varuna_run, tmp_path: Path, script: str, marker: str, **env_extra: str) -> dict[int, Any]:

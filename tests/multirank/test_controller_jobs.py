@@ -24,7 +24,7 @@ from varuna.controller import JobController
 from varuna.errors import LaunchError
 from varuna.launch.pids import job_processes
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.foreground]
 SCRIPT = str(SCRIPTS / "controller_train.py")
 
 

@@ -19,7 +19,7 @@ from _helpers import REPO, SCRIPTS
 from varuna.launch import job as launch
 from varuna.launch.job import Job, mpiexec_command
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.foreground]
 FAIL = str(SCRIPTS / "launch_fail.py")
 
 

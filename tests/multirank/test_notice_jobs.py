@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from _helpers import REPO, SCRIPTS
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.foreground]
 SCRIPT = SCRIPTS / "notice_train.py"
 FOREVER = "100000"  # steps: the job ends by its notice
 

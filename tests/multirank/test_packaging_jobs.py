@@ -23,7 +23,7 @@ import pytest
 import torch
 from _helpers import REPO, SCRIPTS
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.foreground]
 ROOT = REPO
 TORCHRUN = ["torchrun", "--standalone", "--nproc-per-node", "2"]
 """How docs/install.md starts a one-host job with torchrun (before the script and its arguments)."""

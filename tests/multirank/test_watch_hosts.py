@@ -19,7 +19,7 @@ from varuna.telemetry.events import read_events
 sys.path.insert(0, str(SCRIPTS))
 from transparency_common import reference  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.foreground]
 STEPS = 80
 
 
