@@ -296,6 +296,21 @@ def test_the_pick_is_held_against_the_best_measured_varuna_shape_of_its_placemen
     assert summary["worst_prediction_error_any_shape"] == pytest.approx(0.15)
     assert summary["pick_target_met"] is False and summary["prediction_target_met"] is False
     assert summary["unmeasured_picks"] == []
+    assert summary["split_half_gap_median"] is None and summary["split_half_gap_worst"] is None  # no steps
+    # the measurement's own resolution: over the Varuna results only (DDP's 0.9 is not counted)
+    gaps = {"1x4": 0.02, "2x2": 0.08, "4x1": 0.04, "ddp": 0.9}
+    gapped = [
+        {
+            **p,
+            "results": [
+                r | {"split_half_gap": gaps["ddp" if r["system"] == "ddp" else r["shape"]]} for r in RESULTS
+            ],
+        }
+        for p in points
+    ]
+    resolved = summarize(gapped)
+    assert resolved["split_half_gap_worst"] == pytest.approx(0.08)
+    assert resolved["split_half_gap_median"] == pytest.approx(0.06)  # median of 0.02, 0.08, 0.04, 0.08 twice
     with_unmeasured = summarize([*points, {"rate_mbit": 50.0, **unmeasured}])
     assert with_unmeasured["unmeasured_picks"] == [50.0] and with_unmeasured["pick_target_met"] is False
     report = {
@@ -306,6 +321,11 @@ def test_the_pick_is_held_against_the_best_measured_varuna_shape_of_its_placemen
     assert lines[1].startswith("unshaped: picks 2x2 cyclic = varuna 2x2 (stages apart): predicted step")
     assert "pick / best 1.00" in lines[1] and "pick / best 0.80" in lines[2]
     assert lines[-1].startswith("worst pick gap 20.0% (target <= 5.0%: not met)")
+    gapped_report = {"points": gapped, "planner": report["planner"] | resolved}
+    assert planner_lines(gapped_report)[-1] == (
+        "the measurement's own resolution (medians of alternate timed steps of one Varuna result): "
+        "median gap 6.0%, worst 8.0%"
+    )
 
 
 def test_each_measured_configuration_is_priced_with_the_compute_of_the_job_that_measured_it() -> None:
@@ -473,6 +493,9 @@ def test_network_bench_quick_measures_every_system_at_every_rate() -> None:
                     r["timed_step_s"]
                 )
                 assert len(r["warmup_step_s"]) == bench.warmup + bench.turn_warmup * (turns - 1)
+                # its own resolution: the medians of its alternate timed steps
+                a, b = statistics.median(r["timed_step_s"][0::2]), statistics.median(r["timed_step_s"][1::2])
+                assert r["split_half_gap"] == pytest.approx(abs(a - b) / min(a, b), abs=1e-4)
         # the ranks ran where each placement needs them: each rank's own host name
         placements = report["placements_verified"]
         assert placements["replicas-across-hosts"]["rank_hosts"] == ["h2", "h2", "h3", "h3"]

@@ -7,10 +7,12 @@ report is complete and its figures are what their definitions say.
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 from _helpers import run_bench
 
+from varuna.bench import split_half_gap
 from varuna.bench.planner import PlannerBench, quick, spearman, summarize
 from varuna.errors import ConfigError
 
@@ -55,6 +57,9 @@ def test_spearman_and_the_summary() -> None:
     # the predicted best (1x2) measured 1.25 s against the measured best's 1.0 s
     assert s["best_gap"] == pytest.approx(0.25)
     assert (s["predicted_best"], s["measured_best"]) == ("1x2 mbs 2 1f1b", "2x1 mbs 2 1f1b")
+    assert s["split_half_gap_mean"] is None and s["split_half_gap_max"] is None  # no steps given
+    gapped = summarize([c | {"split_half_gap": g} for c, g in zip(configs, (0.01, 0.09, 0.02))])
+    assert gapped["split_half_gap_mean"] == pytest.approx(0.04) and gapped["split_half_gap_max"] == 0.09
     assert s["mean_error_by_shape"] == pytest.approx({"1x2": -0.2, "2x1": 0.05, "4x1": 0.0})
     assert s["targets_met"] == {
         "mean_abs_error": True,
@@ -62,6 +67,13 @@ def test_spearman_and_the_summary() -> None:
         "spearman": False,
         "best_gap": False,
     }
+
+
+def test_the_split_half_gap_compares_the_medians_of_alternate_steps() -> None:
+    assert split_half_gap([1.0, 2.0, 1.0, 2.0]) == pytest.approx(1.0)  # odd steps 1 s, even 2 s
+    assert split_half_gap([1.0, 1.0, 2.0, 2.0]) == 0.0  # a change over time falls on both halves
+    assert split_half_gap([1.0, 1.2, 1.1, 1.3, 1.0]) == pytest.approx(0.25)  # medians 1.0 and 1.25
+    assert split_half_gap([1.0]) is None
 
 
 def test_the_full_preset_covers_what_the_issue_asks() -> None:
@@ -109,6 +121,11 @@ def test_planner_bench_quick_reports_every_configuration() -> None:
         assert c["error"] == pytest.approx(c["predicted_s"] / c["measured_s"] - 1)
         assert c["rounds"] and all(r["step_s"] for r in c["rounds"])
         assert c["predicted_s_round_profile"] > 0
+        # its own resolution: the medians of the alternate timed steps of the rounds measured_s is over
+        clean = [r for r in c["rounds"] if r["clean"] and r["profile_clean"]] or c["rounds"]
+        steps = [t for r in clean for t in r["step_s"]]
+        a, b = statistics.median(steps[0::2]), statistics.median(steps[1::2])
+        assert c["split_half_gap"] == pytest.approx(abs(a - b) / min(a, b))
     # every prediction uses the compute profiled around its configuration, not the round's
     rounds = [r for c in configs for r in c["rounds"]]
     assert any(r["predicted_s"] != r["predicted_s_round_profile"] for r in rounds)
@@ -118,5 +135,7 @@ def test_planner_bench_quick_reports_every_configuration() -> None:
         assert record["delivery_s"] and all(t > 0 for _, t in record["message_cpu"])  # what each round used
         assert 0 <= record["action_overhead_s"] < 0.01
     assert "mean |error|" in stderr and "best gap" in stderr  # the table
+    assert report["split_half_gap_max"] == pytest.approx(max(c["split_half_gap"] for c in configs))
+    assert "the measurement's own resolution" in stderr
     assert set(report["mean_error_by_shape"]) == {"1x2", "2x1", "2x2"}
     assert "mean signed error by P x D: 1x2 " in stderr

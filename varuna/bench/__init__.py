@@ -12,10 +12,12 @@ network bench and the multihost tests run on.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ROOT", "log", "bench_env", "print_report", "require_positive"]
+__all__ = ["ROOT", "log", "bench_env", "print_report", "require_positive", "split_half_gap"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,3 +73,16 @@ def require_positive(config: object, *names: str) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{type(config).__name__}.{name} must be a positive integer (got {value!r})")
+
+
+def split_half_gap(steps: Sequence[float]) -> float | None:
+    """A measurement's own resolution, an A/A check: the relative gap between the medians of its
+    alternate timed steps (the 1st, 3rd, ... against the 2nd, 4th, ..., in the order they were timed),
+    |a - b| / min(a, b). Both halves are the same configuration over the same stretch of time, so the
+    gap is what the host's noise alone moves a median of half the steps: two configurations whose
+    medians differ by much less than it are not told apart by the measurement. None with fewer than
+    two steps."""
+    if len(steps) < 2:
+        return None
+    a, b = statistics.median(steps[0::2]), statistics.median(steps[1::2])
+    return abs(a - b) / min(a, b)

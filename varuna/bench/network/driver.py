@@ -82,7 +82,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from varuna.bench import fresh_out, log, print_report, require_positive
+from varuna.bench import fresh_out, log, print_report, require_positive, split_half_gap
 from varuna.bench.common import forward_backward_s, run_job
 from varuna.bench.load import foreign_cores_during, wait_quiet
 from varuna.bench.network.planner import PLACEMENTS, judge_point, plan_point, planned_cuts, summarize
@@ -621,6 +621,7 @@ def _assemble(
                         "samples_per_s": round(bench.global_batch_size / measured["step_s"], 3),
                         "step_s": round(measured["step_s"], 5),
                         "timed_step_s": measured["timed_step_s"],
+                        "split_half_gap": _rounded(split_half_gap(measured["timed_step_s"])),
                         "turn_step_s": measured.get("turn_step_s"),
                         "warmup_step_s": measured["warmup_step_s"],
                         "rank_hosts": report["hosts"],
@@ -684,6 +685,10 @@ def _assemble(
         "first_loss_spread": max(first) - min(first),
         "loss_spread": spread,
     }
+
+
+def _rounded(gap: float | None) -> float | None:
+    return None if gap is None else round(gap, 4)
 
 
 def _model_info(bench: NetworkBench) -> dict[str, Any]:

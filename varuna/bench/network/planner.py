@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -217,7 +218,9 @@ def judge_point(
 def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
     """The report's `planner` summary over the points: the worst pick gap (1 - `planner_vs_best`),
     the worst prediction error of the picks (|`predicted_vs_measured` - 1|) and of every measured
-    configuration, the points whose pick was not measured, and whether the targets hold."""
+    configuration, the points whose pick was not measured, and whether the targets hold; beside them
+    the measurement's own resolution, the median and worst `split_half_gap` of the Varuna results at
+    the judged points (an A/A check of each result: a gap or error not above it is not measured)."""
     judged = [p for p in points if p.get("planner") is not None]
     gaps = [1 - p["planner_vs_best"] for p in judged if p["planner_vs_best"] is not None]
     errors = [abs(p["predicted_vs_measured"] - 1) for p in judged if p["predicted_vs_measured"] is not None]
@@ -226,6 +229,12 @@ def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
         for p in judged
         for x in p["planner"]["predictions"]
         if x["predicted_vs_measured"] is not None
+    ]
+    halves = [
+        r["split_half_gap"]
+        for p in judged
+        for r in p.get("results", ())
+        if r["system"] == "varuna" and r.get("split_half_gap") is not None
     ]
     unmeasured = [p["rate_mbit"] for p in judged if p["planner_vs_best"] is None]
     worst_gap = round(max(gaps), 3) if gaps else None
@@ -238,6 +247,8 @@ def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
         "worst_prediction_error": worst_error,
         "worst_prediction_error_any_shape": round(max(every), 3) if every else None,
         "unmeasured_picks": unmeasured,
+        "split_half_gap_median": round(statistics.median(halves), 3) if halves else None,
+        "split_half_gap_worst": round(max(halves), 3) if halves else None,
         "pick_target_met": complete and worst_gap is not None and worst_gap <= TARGETS["pick_within"],
         "prediction_target_met": complete
         and worst_error is not None

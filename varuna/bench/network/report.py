@@ -160,6 +160,11 @@ def planner_lines(report: dict[str, Any]) -> list[str]:
         f"(target <= {_pct(targets['prediction_within'])}: {_met(summary['prediction_target_met'])}); of any "
         f"measured shape {_pct(summary['worst_prediction_error_any_shape'])}"
     )
+    if summary.get("split_half_gap_worst") is not None:
+        lines.append(
+            f"the measurement's own resolution (medians of alternate timed steps of one Varuna result): "
+            f"median gap {_pct(summary['split_half_gap_median'])}, worst {_pct(summary['split_half_gap_worst'])}"
+        )
     if summary["unmeasured_picks"]:
         lines.append(f"picks not measured at {', '.join(_rate(r) for r in summary['unmeasured_picks'])}")
     return lines
