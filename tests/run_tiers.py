@@ -14,6 +14,8 @@ spot traces, pip and notebook starts mostly wait. So they run in two streams at 
 Where no CPU cgroup can be made (not root, no cpu controller) the two streams run one after the other,
 and the output says so. The foreground prints as it runs; the background's output goes to `--log` and is
 printed when both are done. The exit status is the first non-zero of the two (foreground first).
+Stopped (Ctrl-C, SIGTERM), it kills every process in the background's cgroup, the jobs its tests
+started in sessions of their own included, and removes the cgroup.
 
     python tests/run_tiers.py [--log FILE] [pytest options...]
 """
@@ -58,6 +60,16 @@ def make_cgroup(name: str) -> tuple[Path | None, str]:
     return None, "no CPU cgroup controller (cgroup v1 cpu or v2 cpu) on this machine"
 
 
+def kill_cgroup(group: Path) -> None:
+    """SIGKILL every process still in the cgroup: the stream's pytest and what its tests started,
+    the jobs too, which run in sessions of their own (a stopped stream leaves nothing behind)."""
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def remove_cgroup(group: Path) -> None:
     """Remove the cgroup once its processes are gone (a few seconds' grace for stragglers)."""
     for _ in range(20):
@@ -97,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         rc_bg = subprocess.run(background, cwd=REPO, env=env, stdin=subprocess.DEVNULL).returncode
         return rc_fg or rc_bg
     args.log.parent.mkdir(parents=True, exist_ok=True)
+    # a SIGTERM (a CI's timeout) ends both streams and removes the cgroup, as an exception does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     started = time.monotonic()
     with open(args.log, "w") as log:
         back = subprocess.Popen(
@@ -116,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"run_tiers: foreground done; waiting for the background stream ({args.log})", flush=True
                 )
             rc_bg = back.wait()
-        except BaseException:
-            os.killpg(back.pid, signal.SIGTERM)
+        except BaseException:  # stopped (Ctrl-C, SIGTERM): the background stream and its jobs with it
+            kill_cgroup(group)
             back.wait(timeout=60)
             raise
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,9 @@ def test_without_root_there_is_no_cgroup_and_the_reason_says_so(monkeypatch: pyt
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="CPU cgroups need root")
 def test_the_background_cgroup_has_a_low_share_takes_the_child_and_is_removed() -> None:
+    """A child started with `_join` runs in the cgroup (not this process); `kill_cgroup` ends it, as a
+    stopped `make test` ends the background stream, whatever session its processes started; then the
+    cgroup goes."""
     group, said = run_tiers.make_cgroup(f"varuna-tests-unit-{os.getpid()}")
     if group is None:
         pytest.skip(said)
@@ -34,8 +38,11 @@ def test_the_background_cgroup_has_a_low_share_takes_the_child_and_is_removed() 
             members = (group / "cgroup.procs").read_text().split()
             assert str(child.pid) in members
             assert str(os.getpid()) not in members  # only the child moved
+            run_tiers.kill_cgroup(group)
+            assert child.wait(timeout=30) == -signal.SIGKILL
         finally:
-            child.communicate(b"", timeout=30)
+            if child.poll() is None:
+                child.kill()
     finally:
         run_tiers.remove_cgroup(group)
     assert not group.exists()
