@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,12 +86,11 @@ def _pytest(marks: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "--ignore=tests/unit", "-m", marks, *extra]
 
 
-def _join(into: Path | None):
+def _join(into: Path) -> Callable[[], None]:
     """preexec_fn: move the child into cgroup `into` before it execs pytest (its children inherit it)."""
 
     def join() -> None:
-        if into is not None:
-            (into / "cgroup.procs").write_text(str(os.getpid()))
+        (into / "cgroup.procs").write_text(str(os.getpid()))
 
     return join
 

@@ -350,8 +350,9 @@ def _measure(bench: PlannerBench, tmp: Path, configs: list[dict[str, Any]], worl
     results: dict[str, Any] = json.loads(out.read_text())
     for r in results["configs"]:
         clean = [x for x in r["rounds"] if x["clean"] and x["profile_clean"]] or r["rounds"]
-        r["measured_s"] = statistics.median(t for x in clean for t in x["step_s"])
-        r["split_half_gap"] = split_half_gap([t for x in clean for t in x["step_s"]])
+        steps = [t for x in clean for t in x["step_s"]]  # in the order they were timed
+        r["measured_s"] = statistics.median(steps)
+        r["split_half_gap"] = split_half_gap(steps)
         r["predicted_s"] = statistics.median(x["predicted_s"] for x in clean)
         r["predicted_s_round_profile"] = statistics.median(x["predicted_s_round_profile"] for x in clean)
         r["error"] = r["predicted_s"] / r["measured_s"] - 1
