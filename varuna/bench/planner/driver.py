@@ -26,7 +26,8 @@ Report: `configs` (pipeline, data, micro_batch_size, schedule, predicted_s, meas
 predicted / measured - 1), `mean_abs_error`, `max_abs_error`, `spearman` (rank correlation of
 predicted and measured, ties averaged), `best_gap` (measured time of the predicted-best
 configuration over the measured-best, minus 1), and against the issue's targets (reported, never
-asserted): mean |error| <= 10%, max <= 20%, spearman >= 0.8, best_gap <= 0.05.
+asserted): mean |error| <= 10%, max <= 20%, spearman >= 0.8, best_gap <= 0.05, and against the
+stricter ones of the network issue (`STRICT_TARGETS`, `strict_targets_met`): 5%, 10%, 0.9 and 0.02.
 
 measured_s is the median of the timed steps of a configuration's undisturbed rounds (the slowest
 rank's time per step), predicted_s the median of those rounds' predictions. The host is shared, so a
@@ -57,10 +58,24 @@ from varuna.bench.load import foreign_cores_during, wait_quiet
 from varuna.errors import ConfigError, LaunchError
 from varuna.schedule import ScheduleName, schedule_spec
 
-__all__ = ["PlannerBench", "full", "quick", "run", "spearman", "summarize", "format_table", "main"]
+__all__ = [
+    "PlannerBench",
+    "STRICT_TARGETS",
+    "TARGETS",
+    "full",
+    "quick",
+    "run",
+    "spearman",
+    "summarize",
+    "format_table",
+    "main",
+]
 
 _WORKER = "varuna.bench.planner.worker"
 TARGETS = {"mean_abs_error": 0.10, "max_abs_error": 0.20, "spearman": 0.8, "best_gap": 0.05}
+"""The planner bench's own targets."""
+STRICT_TARGETS = {"mean_abs_error": 0.05, "max_abs_error": 0.10, "spearman": 0.9, "best_gap": 0.02}
+"""The network issue's (#37) stricter targets, to hold in three runs."""
 SHAPES = ((1, 2), (2, 1), (2, 2), (4, 1))
 
 
@@ -216,13 +231,19 @@ def summarize(configs: list[dict[str, Any]]) -> dict[str, Any]:
     halves = [c["split_half_gap"] for c in configs if c.get("split_half_gap") is not None]
     out["split_half_gap_mean"] = statistics.fmean(halves) if halves else None
     out["split_half_gap_max"] = max(halves) if halves else None
-    out["targets_met"] = {
-        "mean_abs_error": out["mean_abs_error"] <= TARGETS["mean_abs_error"],
-        "max_abs_error": out["max_abs_error"] <= TARGETS["max_abs_error"],
-        "spearman": out["spearman"] >= TARGETS["spearman"],
-        "best_gap": out["best_gap"] <= TARGETS["best_gap"],
-    }
+    out["targets_met"] = _met(out, TARGETS)
+    out["strict_targets_met"] = _met(out, STRICT_TARGETS)
     return out
+
+
+def _met(summary: dict[str, Any], targets: dict[str, float]) -> dict[str, bool]:
+    """Which of `targets` the summary's figures hold (spearman at least, the others at most)."""
+    return {
+        "mean_abs_error": summary["mean_abs_error"] <= targets["mean_abs_error"],
+        "max_abs_error": summary["max_abs_error"] <= targets["max_abs_error"],
+        "spearman": summary["spearman"] >= targets["spearman"],
+        "best_gap": summary["best_gap"] <= targets["best_gap"],
+    }
 
 
 def _by_shape(configs: list[dict[str, Any]], errors: list[float]) -> dict[str, float]:
@@ -397,6 +418,7 @@ def run(bench: PlannerBench) -> dict[str, Any]:
         ],
         **summarize(results),
         "targets": TARGETS,
+        "strict_targets": STRICT_TARGETS,
         "disturbed": sum(r["disturbed"] for r in results),
         "model": {
             "config": bench.model,
@@ -451,6 +473,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{c['predicted_s']:>11.4f} {c['measured_s']:>10.4f} {100 * c['error']:>+6.1f}%{flag}"
         )
     met = report["targets_met"]
+    strict = report.get("strict_targets_met")
     lines += [
         "",
         f"mean |error| {100 * report['mean_abs_error']:.1f}% (target <= {100 * TARGETS['mean_abs_error']:.0f}%: "
@@ -458,6 +481,16 @@ def format_table(report: dict[str, Any]) -> str:
         f"(<= {100 * TARGETS['max_abs_error']:.0f}%: {_yes(met['max_abs_error'])}), "
         f"spearman {report['spearman']:.3f} (>= {TARGETS['spearman']}: {_yes(met['spearman'])}), "
         f"best gap {100 * report['best_gap']:.1f}% (<= {100 * TARGETS['best_gap']:.0f}%: {_yes(met['best_gap'])})",
+        *(
+            [
+                f"the network issue's targets (mean <= {100 * STRICT_TARGETS['mean_abs_error']:.0f}%, max <= "
+                f"{100 * STRICT_TARGETS['max_abs_error']:.0f}%, spearman >= {STRICT_TARGETS['spearman']}, best gap <= "
+                f"{100 * STRICT_TARGETS['best_gap']:.0f}%): "
+                + ", ".join(f"{k} {_yes(v)}" for k, v in strict.items())
+            ]
+            if strict is not None
+            else []
+        ),
         "mean signed error by P x D: "
         + ", ".join(f"{shape} {100 * e:+.1f}%" for shape, e in report["mean_error_by_shape"].items()),
         *(
