@@ -17,7 +17,9 @@ Per segment (the code between two CutPoints) and micro-batch size, a profile rec
     backward_s   its backward, accumulating     | and at each CutPoint's gradient hook
                  into existing gradients, as the engine's bucketed gradients do
     recompute_s  forward with autograd, right after a no_grad forward of the same micro-batch
-    nograd_forward_s  that no_grad forward (a recomputing stage's first forward: no graph, nothing kept)
+    nograd_forward_s  that no_grad forward (a recomputing stage's first forward: no graph, nothing kept),
+                 timed after an untimed one, as the first stage runs them pulled ahead: right after
+                 a backward its first block ran 17% slower on CPU (docs/benchmarks/planner.md)
     update_s     once per step: zero its gradients, their norm, an AdamW step over its parameters
     activation_bytes         bytes of the value handed to the segment's CutPoint
     activation_memory_bytes  bytes saved for backward (saved-tensor hooks; parameters excluded)
@@ -207,8 +209,11 @@ def _profile(
                 else:
                     samples["f"][m].append(_diffs([start, *clock.marks, mid]))
                     samples["b"][m].append(_diffs([*back, end])[::-1])
-                    clock = _Clock(sync)
                     with torch.no_grad():  # what a recomputing schedule's forward runs ...
+                        # ... pulled ahead on the first stage, back to back: timed after an
+                        # untimed one, not with the caches a backward left behind
+                        forward(_Clock(sync), micro)
+                        clock = _Clock(sync)
                         start = clock.now()
                         forward(clock, micro)
                         samples["n"][m].append(_diffs([start, *clock.marks, clock.now()]))
