@@ -18,8 +18,8 @@ Per segment (the code between two CutPoints) and micro-batch size, a profile rec
                  into existing gradients, as the engine's bucketed gradients do
     recompute_s  forward with autograd, right after a no_grad forward of the same micro-batch
     nograd_forward_s  that no_grad forward (a recomputing stage's first forward: no graph, nothing kept),
-                 timed after an untimed one, as the first stage runs them pulled ahead: right after
-                 a backward its first block ran 17% slower on CPU (docs/benchmarks/planner.md)
+                 timed after an untimed one, as the first stage runs them pulled ahead, not with
+                 the caches a backward left behind (docs/benchmarks/planner.md has the figures)
     update_s     once per step: zero its gradients, their norm, an AdamW step over its parameters
     activation_bytes         bytes of the value handed to the segment's CutPoint
     activation_memory_bytes  bytes saved for backward (saved-tensor hooks; parameters excluded)

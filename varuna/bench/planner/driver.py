@@ -473,7 +473,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{c['predicted_s']:>11.4f} {c['measured_s']:>10.4f} {100 * c['error']:>+6.1f}%{flag}"
         )
     met = report["targets_met"]
-    strict = report.get("strict_targets_met")
+    strict = report["strict_targets_met"]
     lines += [
         "",
         f"mean |error| {100 * report['mean_abs_error']:.1f}% (target <= {100 * TARGETS['mean_abs_error']:.0f}%: "
@@ -481,16 +481,10 @@ def format_table(report: dict[str, Any]) -> str:
         f"(<= {100 * TARGETS['max_abs_error']:.0f}%: {_yes(met['max_abs_error'])}), "
         f"spearman {report['spearman']:.3f} (>= {TARGETS['spearman']}: {_yes(met['spearman'])}), "
         f"best gap {100 * report['best_gap']:.1f}% (<= {100 * TARGETS['best_gap']:.0f}%: {_yes(met['best_gap'])})",
-        *(
-            [
-                f"the network issue's targets (mean <= {100 * STRICT_TARGETS['mean_abs_error']:.0f}%, max <= "
-                f"{100 * STRICT_TARGETS['max_abs_error']:.0f}%, spearman >= {STRICT_TARGETS['spearman']}, best gap <= "
-                f"{100 * STRICT_TARGETS['best_gap']:.0f}%): "
-                + ", ".join(f"{k} {_yes(v)}" for k, v in strict.items())
-            ]
-            if strict is not None
-            else []
-        ),
+        f"the network issue's targets (mean <= {100 * STRICT_TARGETS['mean_abs_error']:.0f}%, max <= "
+        f"{100 * STRICT_TARGETS['max_abs_error']:.0f}%, spearman >= {STRICT_TARGETS['spearman']}, best gap <= "
+        f"{100 * STRICT_TARGETS['best_gap']:.0f}%): "
+        + ", ".join(f"{k} {_yes(v)}" for k, v in strict.items()),
         "mean signed error by P x D: "
         + ", ".join(f"{shape} {100 * e:+.1f}%" for shape, e in report["mean_error_by_shape"].items()),
         *(
