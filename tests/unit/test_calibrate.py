@@ -1,7 +1,8 @@
 """The runtime's cost per action (`varuna.profile.calibrate`): the fit and the host's core sharing.
 
-The collective part, a real spin pipeline on every rank, runs in `test_profile`'s two-rank
-`varuna profile` job, which checks that it leaves the run directory alone.
+The collective part, a real spin pipeline on every rank, runs where ranks share a host's cores: in
+the planner bench's 4-rank jobs (bench tier), and in `test_profile_jobs`'s two-rank `varuna profile`
+job on a host of one core, which checks that it leaves the run directory alone.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from varuna.profile.calibrate import _core_sharing, _solve, _SpinModel
+from varuna.profile.calibrate import _core_sharing, _solve, _SpinModel, shares_cores
 
 
 def test_solve_finds_the_overhead_that_closes_the_gap() -> None:
@@ -35,6 +36,15 @@ def test_core_sharing_follows_the_cores_of_each_host() -> None:
     assert _core_sharing([("a", 8)] * 4) == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
     # two hosts of one core each: n busy ranks spread over both, half of them on each
     assert _core_sharing([("a", 1), ("a", 1), ("b", 1), ("b", 1)]) == {1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0}
+
+
+def test_the_cost_per_action_is_fitted_only_where_ranks_share_a_hosts_cores() -> None:
+    assert shares_cores([("a", 2)] * 4)  # 4 ranks on 2 cores
+    assert shares_cores([("a", 1), ("a", 1), ("b", 4)])  # one host oversubscribed is enough
+    assert not shares_cores([("a", 2)] * 2)  # a core each
+    assert not shares_cores([("a", 1), ("b", 1), ("c", 1)])  # one rank per one-core host
+    assert not shares_cores([("a", 8)] * 4)
+    assert not shares_cores([])
 
 
 def test_the_spin_model_costs_the_cpu_time_it_is_given() -> None:

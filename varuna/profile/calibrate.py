@@ -16,6 +16,13 @@ fairly), make the prediction equal the measured step. The planner adds `c` to ev
 every pipelined configuration (`CostTable.action_overhead_s`). docs/benchmarks/planner.md gives the
 values it takes and what it does to the planner's error.
 
+Only where ranks share cores (some host runs more of the job's ranks than it has cores, `shares_cores`).
+Where each rank has a core of its own, a stage's actions took what the profile says of its segments
+(the engine's spans against the profile's compute, the step against the prediction without any cost
+per action: docs/benchmarks/planner.md, "own-core"); the spin pipeline's per-action loss stands for
+work the profiled compute of a real model already holds, and charging it again priced such pipelines
+long. There the result is 0 and no pipeline runs.
+
 Collective: every rank calls it. CPU (gloo) only: on CUDA the compute runs on the devices and a
 CPU spin would stand for nothing there, so the result is 0 (unmeasured).
 """
@@ -40,7 +47,7 @@ from varuna.cut.cutpoint import CutPoint
 from varuna.planner.costs import CostTable, SegmentCost
 from varuna.planner.search import predict
 
-__all__ = ["fit_action_overhead"]
+__all__ = ["fit_action_overhead", "shares_cores"]
 
 _SCRATCH = 2**14
 """Floats the spin loop works on between clock reads (64 KiB, in cache)."""
@@ -105,6 +112,15 @@ def _private_engine_env() -> Iterator[str]:
     quiet = {"VARUNA_TELEMETRY": "0", "VARUNA_RESUME": None, "VARUNA_EVENTS": None, "VARUNA_COMMANDS": None}
     with patched_environ(quiet), tempfile.TemporaryDirectory(prefix="varuna-calibrate-") as scratch:
         yield scratch
+
+
+def shares_cores(layout: Sequence[tuple[str, int]]) -> bool:
+    """Whether some host runs more of the job's ranks than it has cores, given every rank's (host,
+    cores it may run on) (`host_layout`)."""
+    hosts: dict[str, list[int]] = {}
+    for name, cores in layout:
+        hosts.setdefault(name, []).append(cores)
+    return any(len(ranks) > max(max(ranks), 1) for ranks in hosts.values())
 
 
 def _core_sharing(layout: Sequence[tuple[str, int]]) -> dict[int, float]:
@@ -199,13 +215,17 @@ def fit_action_overhead(
     measured with `engine_class` (`varuna.Varuna`, handed in: the engine imports the profile).
 
     Collective: every rank of the job calls it with the same `table` and gets the same value.
-    0 on CUDA, or with fewer than 2 ranks. Takes about `steps + warmup` steps of the model split
-    over every rank of the job, plus the engine's start-up.
+    0 on CUDA, with fewer than 2 ranks, or where no host runs more ranks than it has cores
+    (`shares_cores`). Takes about `steps + warmup` steps of the model split over every rank of the
+    job, plus the engine's start-up.
     """
     if table.device != "cpu":
         return 0.0
     world = dist.get_world_size()
     if world < 2:
+        return 0.0
+    layout = host_layout()
+    if not shares_cores(layout):
         return 0.0
     mbs = table.micro_batch_sizes[0]
     forward_s = sum(s.forward_s[mbs] for s in table.segments) / world
@@ -214,7 +234,7 @@ def fit_action_overhead(
     nbytes = max(int(statistics.median(cut_bytes)), 4)
     width = max(nbytes // 4, 1)
     microbatches = 2 * world
-    sharing = _core_sharing(host_layout())
+    sharing = _core_sharing(layout)
     measured = _measure(engine_class, world, microbatches, forward_s, backward_s, width, steps, warmup)
     spin = _spin_table(table, world, forward_s, backward_s, width * 4, sharing)
 

@@ -27,9 +27,10 @@ Per segment (the code between two CutPoints) and micro-batch size, a profile rec
 
 and, inside a job (`run_profile`), how much slower a rank computes while n ranks compute at once
 (`measure_slowdown`: on a CPU host with fewer cores than ranks, about n / cores), and on CPU the
-seconds each compute action of a pipelined stage costs beyond its segments' compute, fitted from
-a short pipeline of exactly known compute run with the real engine (`varuna.profile.calibrate`:
-`CostTable.action_overhead_s`; a few seconds).
+seconds each compute action of a pipelined stage costs beyond its segments' compute where ranks
+share a host's cores, fitted from a short pipeline of exactly known compute run with the real engine
+(`varuna.profile.calibrate`: `CostTable.action_overhead_s`; a few seconds; 0 where every rank has a
+core of its own).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from varuna.cut.partition import trace_model
 from varuna.engine.precision import autocast_policy
 from varuna.errors import ConfigError
 from varuna.planner.costs import CostTable, NetworkCost, SegmentCost, model_signature
-from varuna.profile.calibrate import fit_action_overhead
+from varuna.profile.calibrate import fit_action_overhead, shares_cores
 from varuna.profile.memory import param_split, tensor_bytes
 from varuna.profile.network import NETWORK_SIZES, profile_network
 from varuna.profile.passes import device_of, micro_batch, micro_len, preserved
@@ -355,8 +356,9 @@ def run_profile(
     engine: Callable[..., Any] | None = None,
 ) -> CostTable:
     """Profile inside a job (every rank calls it): the network and the compute slowdown with
-    1..world ranks busy on all ranks, then the model on rank 0, then (on CPU) the runtime's own
-    cost per action on all ranks (`varuna.profile.calibrate.fit_action_overhead`), measured with
+    1..world ranks busy on all ranks, then the model on rank 0, then (on CPU, where ranks share a
+    host's cores) the runtime's own cost per action on all ranks
+    (`varuna.profile.calibrate.fit_action_overhead`), measured with
     `engine` (the `varuna.Varuna` class, handed in so that measurement does not import the engine
     that imports it; None: no calibration, the cost per action stays 0).
 
@@ -364,7 +366,7 @@ def run_profile(
     defaults to the launcher's ``VARUNA_RUN_DIR``). The other ranks wait in a broadcast while
     rank 0 profiles, which must end within the distributed timeout (``VARUNA_TIMEOUT``, 120 s).
     """
-    from varuna.comm.rendezvous import init_distributed, launch_env
+    from varuna.comm.rendezvous import host_layout, init_distributed, launch_env
 
     rank, world = init_distributed()
     network = profile_network()
@@ -388,14 +390,16 @@ def run_profile(
     if table.device == "cpu" and engine is not None:
         if rank == 0 and where is not None:  # the minutes of measurement above survive a failure below
             table.save(where / PROFILE_FILE)
+        shared = shares_cores(host_layout())
         if progress and rank == 0:
-            print(
-                f"varuna profile: the runtime's own cost per action ({world}-stage pipeline of known "
-                "compute)",
-                file=sys.stderr,
-                flush=True,
+            what = (
+                f"the runtime's own cost per action ({world}-stage pipeline of known compute)"
+                if shared
+                else "every rank has a core of its own: no runtime cost per action beyond the profiled compute"
             )
-        table = dataclasses.replace(table, action_overhead_s=fit_action_overhead(table, engine))
+            print(f"varuna profile: {what}", file=sys.stderr, flush=True)
+        if shared:
+            table = dataclasses.replace(table, action_overhead_s=fit_action_overhead(table, engine))
     if rank == 0 and where is not None:
         path = table.save(where / PROFILE_FILE)
         print(f"varuna: profile of {table.num_segments} segments written to {path}", file=sys.stderr)
