@@ -116,11 +116,8 @@ def _private_engine_env() -> Iterator[str]:
 
 def shares_cores(layout: Sequence[tuple[str, int]]) -> bool:
     """Whether some host runs more of the job's ranks than it has cores, given every rank's (host,
-    cores it may run on) (`host_layout`)."""
-    hosts: dict[str, list[int]] = {}
-    for name, cores in layout:
-        hosts.setdefault(name, []).append(cores)
-    return any(len(ranks) > max(max(ranks), 1) for ranks in hosts.values())
+    cores it may run on) (`host_layout`): all of them busy stretch a spin (`_core_sharing`)."""
+    return bool(layout) and _core_sharing(layout)[len(layout)] > 1.0
 
 
 def _core_sharing(layout: Sequence[tuple[str, int]]) -> dict[int, float]:
@@ -209,14 +206,20 @@ def _measure(
 
 
 def fit_action_overhead(
-    table: CostTable, engine_class: Callable[..., Any], *, steps: int = 8, warmup: int = 2
+    table: CostTable,
+    engine_class: Callable[..., Any],
+    *,
+    steps: int = 8,
+    warmup: int = 2,
+    layout: Sequence[tuple[str, int]] | None = None,
 ) -> float:
     """Seconds per compute action the runtime costs beyond `table`'s compute (see the module),
     measured with `engine_class` (`varuna.Varuna`, handed in: the engine imports the profile).
 
     Collective: every rank of the job calls it with the same `table` and gets the same value.
     0 on CUDA, with fewer than 2 ranks, or where no host runs more ranks than it has cores
-    (`shares_cores`). Takes about `steps + warmup` steps of the model split over every rank of the
+    (`shares_cores`). `layout` is the job's `host_layout()` where the caller has it already (None:
+    gathered here). Takes about `steps + warmup` steps of the model split over every rank of the
     job, plus the engine's start-up.
     """
     if table.device != "cpu":
@@ -224,7 +227,7 @@ def fit_action_overhead(
     world = dist.get_world_size()
     if world < 2:
         return 0.0
-    layout = host_layout()
+    layout = host_layout() if layout is None else layout
     if not shares_cores(layout):
         return 0.0
     mbs = table.micro_batch_sizes[0]

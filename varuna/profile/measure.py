@@ -390,7 +390,8 @@ def run_profile(
     if table.device == "cpu" and engine is not None:
         if rank == 0 and where is not None:  # the minutes of measurement above survive a failure below
             table.save(where / PROFILE_FILE)
-        shared = shares_cores(host_layout())
+        layout = host_layout()  # collective: gathered once, for the message and the fit
+        shared = shares_cores(layout)
         if progress and rank == 0:
             what = (
                 f"the runtime's own cost per action ({world}-stage pipeline of known compute)"
@@ -399,7 +400,9 @@ def run_profile(
             )
             print(f"varuna profile: {what}", file=sys.stderr, flush=True)
         if shared:
-            table = dataclasses.replace(table, action_overhead_s=fit_action_overhead(table, engine))
+            table = dataclasses.replace(
+                table, action_overhead_s=fit_action_overhead(table, engine, layout=layout)
+            )
     if rank == 0 and where is not None:
         path = table.save(where / PROFILE_FILE)
         print(f"varuna: profile of {table.num_segments} segments written to {path}", file=sys.stderr)
